@@ -1,0 +1,1 @@
+"""The pure replica core: version vectors, the merging replica, and the store of recent updates."""

@@ -1,0 +1,363 @@
+"""Replica: merges commute, each update merges once, gaps wait, equivocators and poisoners are shut out."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_diloco.sync.replica import MergeOutcome, Replica
+from p2p_diloco.sync.version_vector import VersionVector
+
+DIM = 16
+OUTER_LR = 0.7
+MAX_WEIGHT = 2.0
+SENDERS = ["a", "b", "c", "d"]
+
+
+@dataclass(frozen=True)
+class FakeUpdate:
+    sender: str
+    seq: int
+    update_id: bytes
+    weight: float
+    payload: tuple[float, ...]
+    nbytes: int = 4 * DIM
+
+
+def make(sender: str, seq: int, weight: float = 1.0, seed: int = 0, variant: int = 0,
+         payload: Iterable[float] | None = None) -> FakeUpdate:
+    """A fake update; `variant` gives another message for the same (sender, seq): an equivocation."""
+    if payload is None:
+        payload = torch.randn(DIM, generator=torch.Generator().manual_seed(seed)).tolist()
+    uid = hashlib.sha256(f"{sender}/{seq}/{variant}".encode()).digest()
+    return FakeUpdate(sender, seq, uid, weight, tuple(payload))
+
+
+def decode(update: FakeUpdate) -> torch.Tensor:
+    return torch.tensor(update.payload, dtype=torch.float32)
+
+
+def theta0() -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, DIM)
+
+
+def replica(**kwargs: object) -> Replica:
+    args: dict = dict(outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, decode=decode)
+    args.update(kwargs)
+    return Replica(theta0(), **args)
+
+
+def reference(updates: Iterable[FakeUpdate]) -> torch.Tensor:
+    """The merge rule in float64, in a fixed order: what every replica must approximate."""
+    theta = theta0().double()
+    for u in sorted(updates, key=lambda u: (u.sender, u.seq)):
+        theta -= OUTER_LR * min(max(u.weight, 0.0), MAX_WEIGHT) * torch.tensor(u.payload, dtype=torch.float64)
+    return theta.float()
+
+
+@st.composite
+def update_sets(draw: st.DrawFn) -> list[FakeUpdate]:
+    counts = draw(st.dictionaries(st.sampled_from(SENDERS), st.integers(1, 4), min_size=1))
+    return [make(sender, seq, draw(st.floats(-0.5, 3.0, allow_nan=False)), draw(st.integers(0, 2**31)))
+            for sender, n in counts.items() for seq in range(1, n + 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_merge_order_does_not_matter(data: st.DataObject) -> None:
+    updates = data.draw(update_sets())
+    results = []
+    for _ in range(2):
+        r = replica()
+        for u in data.draw(st.permutations(updates)):
+            r.offer(u)
+        results.append(r.snapshot())
+    (t1, v1), (t2, v2) = results
+    expected_vv = VersionVector({s: max(u.seq for u in updates if u.sender == s) for s in {u.sender for u in updates}})
+    assert v1 == v2 == expected_vv
+    assert torch.allclose(t1, t2, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(t1, reference(updates), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_offers_only_grow_the_vector_and_merge_each_update_once(data: st.DataObject) -> None:
+    pool = data.draw(update_sets())
+    offers = data.draw(st.lists(st.sampled_from(pool), max_size=3 * len(pool)))  # repeats, gaps, any order
+    r = replica()
+    merged_all: list[FakeUpdate] = []
+    for u in offers:
+        before = r.version_vector
+        outcome, merged = r.offer(u)
+        after = r.version_vector
+        assert after.dominates(before)
+        assert after.staleness(before) == len(merged) == after.total() - before.total()
+        assert (outcome is MergeOutcome.MERGED) == bool(merged)
+        if merged:
+            assert merged[0] is u
+            assert [m.seq for m in merged] == list(range(u.seq, u.seq + len(merged)))
+        merged_all.extend(merged)
+    assert len(merged_all) == len(set(merged_all))  # no update merged twice
+    assert r.stats["merged"] == len(merged_all)
+    assert r.n_buffered == len({(u.sender, u.seq) for u in offers}) - len(merged_all)
+    assert torch.allclose(r.theta, reference(merged_all), rtol=1e-5, atol=1e-5)
+
+
+def test_duplicate_is_ignored() -> None:
+    r = replica()
+    u = make("a", 1, seed=1)
+    assert r.offer(u) == (MergeOutcome.MERGED, [u])
+    theta, vv = r.snapshot()
+    assert r.offer(u) == (MergeOutcome.DUPLICATE, [])
+    assert torch.equal(r.theta, theta) and r.version_vector == vv
+    assert r.stats["duplicate"] == 1 and r.stats["merged"] == 1
+
+
+def test_gap_is_buffered_then_released_in_order() -> None:
+    r = replica()
+    u1, u2, u3, u5 = (make("a", s, seed=s) for s in (1, 2, 3, 5))
+    start = r.theta.clone()
+    assert r.offer(u3) == (MergeOutcome.BUFFERED, [])
+    assert r.offer(u2) == (MergeOutcome.BUFFERED, [])
+    assert r.offer(u5) == (MergeOutcome.BUFFERED, [])
+    assert r.offer(u3) == (MergeOutcome.DUPLICATE, [])  # same message while buffered
+    assert torch.equal(r.theta, start) and r.version_vector.get("a") == 0 and r.n_buffered == 3
+    assert r.offer(u1) == (MergeOutcome.MERGED, [u1, u2, u3])
+    assert r.version_vector.get("a") == 3 and r.n_buffered == 1  # 5 still waits for 4
+    assert torch.allclose(r.theta, reference([u1, u2, u3]), atol=1e-6)
+
+
+def test_buffer_bound_is_enforced_across_senders() -> None:
+    r = replica(max_buffered=2)
+    assert r.offer(make("a", 3))[0] is MergeOutcome.BUFFERED
+    assert r.offer(make("b", 2))[0] is MergeOutcome.BUFFERED
+    assert r.offer(make("a", 4))[0] is MergeOutcome.REJECTED_BUFFER_FULL
+    assert r.offer(make("c", 9))[0] is MergeOutcome.REJECTED_BUFFER_FULL
+    assert r.n_buffered == 2 and r.stats["rejected_buffer_full"] == 2
+    # a ready update never needs the buffer
+    assert r.offer(make("c", 1))[0] is MergeOutcome.MERGED
+    # releasing frees room
+    assert r.offer(make("b", 1))[1] == [make("b", 1), make("b", 2)]
+    assert r.n_buffered == 1
+    assert r.offer(make("a", 4))[0] is MergeOutcome.BUFFERED
+
+
+def test_equivocation_against_merged_update() -> None:
+    r = replica()
+    good, evil = make("a", 1, seed=1), make("a", 1, seed=2, variant=1)
+    r.offer(good)
+    r.offer(make("a", 3))  # buffered, dropped by the ban
+    theta, vv = r.snapshot()
+    assert r.offer(evil) == (MergeOutcome.EQUIVOCATION, [])
+    assert r.evidence["a"] == (good.update_id, evil.update_id)
+    assert "a" in r.banned and r.n_buffered == 0
+    assert r.offer(make("a", 2)) == (MergeOutcome.REJECTED_BANNED, [])
+    assert torch.equal(r.theta, theta) and r.version_vector == vv
+    assert r.offer(make("b", 1))[0] is MergeOutcome.MERGED  # others unaffected
+
+
+def test_equivocation_against_buffered_update() -> None:
+    r = replica()
+    first, second = make("a", 3, seed=1), make("a", 3, seed=2, variant=1)
+    assert r.offer(first)[0] is MergeOutcome.BUFFERED
+    assert r.offer(second)[0] is MergeOutcome.EQUIVOCATION
+    assert r.evidence["a"] == (first.update_id, second.update_id)
+    assert r.n_buffered == 0
+    assert r.offer(make("a", 1))[0] is MergeOutcome.REJECTED_BANNED
+    assert r.version_vector.get("a") == 0 and torch.equal(r.theta, theta0())
+
+
+def test_equivocation_memory_is_bounded_per_sender() -> None:
+    r = replica(max_ids_per_sender=2)
+    for seq in range(1, 5):
+        r.offer(make("a", seq))
+    assert r.offer(make("a", 2, variant=1))[0] is MergeOutcome.DUPLICATE  # id forgotten: cannot prove
+    assert r.offer(make("a", 3, variant=1))[0] is MergeOutcome.EQUIVOCATION
+
+
+@pytest.mark.parametrize("poison", [
+    [float("nan")] + [0.0] * (DIM - 1),
+    [float("inf")] * DIM,
+    [3e38] * DIM,  # finite, but lr * w * delta overflows float32
+])
+@pytest.mark.parametrize("weight", [1.0, 0.0])
+def test_nonfinite_delta_is_refused_and_blocks_the_sender(poison: list[float], weight: float) -> None:
+    r = replica(outer_lr=10.0)
+    r.offer(make("b", 1))
+    theta, vv = r.snapshot()
+    r.offer(make("a", 2))  # buffered behind the poison
+    bad = make("a", 1, weight=weight, payload=poison)
+    if weight == 0.0 and poison[0] == 3e38:
+        # 0 * finite is a harmless zero update
+        assert r.offer(bad)[0] is MergeOutcome.MERGED
+        return
+    assert r.offer(bad) == (MergeOutcome.REJECTED_NONFINITE, [])
+    assert torch.equal(r.theta, theta) and r.version_vector == vv
+    assert r.stats["rejected_nonfinite"] == 1 and "a" in r.banned and "a" not in r.evidence
+    assert r.n_buffered == 0
+    assert r.offer(make("a", 2))[0] is MergeOutcome.REJECTED_BANNED
+
+
+def test_nonfinite_weight_is_refused() -> None:
+    r = replica()
+    assert r.offer(make("a", 1, weight=float("nan")))[0] is MergeOutcome.REJECTED_NONFINITE
+    assert r.offer(make("b", 1, weight=10**400))[0] is MergeOutcome.REJECTED_NONFINITE  # type: ignore[arg-type]
+    assert torch.equal(r.theta, theta0()) and r.version_vector.total() == 0
+
+
+def test_merge_that_would_overflow_theta_is_refused() -> None:
+    r = Replica(torch.full((DIM,), 3e38), outer_lr=1.0, max_weight=1.0, decode=decode)
+    assert r.offer(make("a", 1, payload=[-3e38] * DIM))[0] is MergeOutcome.REJECTED_NONFINITE
+    assert torch.equal(r.theta, torch.full((DIM,), 3e38)) and r.version_vector.total() == 0
+    assert r.offer(make("b", 1, payload=[3e38] * DIM))[0] is MergeOutcome.MERGED  # back towards 0 is fine
+    assert torch.isfinite(r.theta).all()
+
+
+def test_poisoned_successor_stops_the_release_chain() -> None:
+    r = replica()
+    u1, u3 = make("a", 1, seed=1), make("a", 3, seed=3)
+    bad2 = make("a", 2, payload=[float("nan")] * DIM)
+    r.offer(bad2)
+    r.offer(u3)
+    assert r.offer(u1) == (MergeOutcome.MERGED, [u1])
+    assert r.version_vector.get("a") == 1 and "a" in r.banned and r.n_buffered == 0
+    assert torch.allclose(r.theta, reference([u1]), atol=1e-6)
+
+
+def test_weight_is_clamped() -> None:
+    r1, r2, r3 = replica(), replica(), replica()
+    r1.offer(make("a", 1, weight=50.0, seed=4))
+    r2.offer(make("a", 1, weight=MAX_WEIGHT, seed=4))
+    assert torch.equal(r1.theta, r2.theta) and not torch.equal(r1.theta, theta0())
+    assert r3.offer(make("a", 1, weight=-3.0, seed=4))[0] is MergeOutcome.MERGED  # counted, moves nothing
+    assert torch.equal(r3.theta, theta0()) and r3.version_vector.get("a") == 1
+
+
+def raises(_: FakeUpdate) -> torch.Tensor:
+    raise ValueError("corrupt payload")
+
+
+@pytest.mark.parametrize("bad_decode", [raises, lambda u: torch.zeros(DIM + 1), lambda u: "not a tensor"])
+def test_undecodable_update_is_refused(bad_decode) -> None:  # noqa: ANN001
+    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, decode=bad_decode)
+    assert r.offer(make("a", 1)) == (MergeOutcome.REJECTED_INVALID, [])
+    assert torch.equal(r.theta, theta0()) and "a" in r.banned
+
+
+@pytest.mark.parametrize("bad", [
+    FakeUpdate("a", 0, b"x", 1.0, ()),
+    FakeUpdate("a", True, b"x", 1.0, ()),  # type: ignore[arg-type]
+    FakeUpdate("", 1, b"x", 1.0, ()),
+    FakeUpdate("a", 1, "x", 1.0, ()),  # type: ignore[arg-type]
+    FakeUpdate("a", 1, b"x", "1", ()),  # type: ignore[arg-type]
+    object(),
+])
+def test_malformed_header_is_refused_without_banning(bad: object) -> None:
+    r = replica()
+    assert r.offer(bad) == (MergeOutcome.REJECTED_INVALID, [])  # type: ignore[arg-type]
+    assert not r.banned and r.stats["rejected_invalid"] == 1
+
+
+def test_snapshot_is_a_copy() -> None:
+    r = replica()
+    r.offer(make("a", 1))
+    theta, vv = r.snapshot()
+    theta += 100.0
+    assert torch.allclose(r.theta, reference([make("a", 1)]), atol=1e-6) and vv == r.version_vector
+
+
+def test_load_replaces_state_and_releases_ready_buffered_updates() -> None:
+    donor = replica()
+    ups = {s: make("a", s, seed=s) for s in range(1, 5)}
+    for s in (1, 2):
+        donor.offer(ups[s])
+    r = replica()
+    live = r.theta
+    r.offer(ups[2])  # buffered; the donor state already includes it
+    r.offer(ups[3])  # buffered; ready once the state says a=2
+    r.offer(make("b", 3))  # still waiting after the load
+    merged = r.load(*donor.snapshot())
+    assert merged == [ups[3]]
+    assert r.theta is live  # loaded in place
+    assert r.version_vector == VersionVector({"a": 3}) and r.n_buffered == 1
+    assert torch.allclose(r.theta, reference([ups[1], ups[2], ups[3]]), atol=1e-6)
+    with pytest.raises(ValueError):
+        r.load(torch.zeros(DIM + 1), VersionVector())
+    with pytest.raises(ValueError):
+        r.load(torch.full((DIM,), float("nan")), VersionVector())
+
+
+def slow_decode(update: FakeUpdate) -> torch.Tensor:
+    time.sleep(0.0002)  # widen the window between decode and merge so threads interleave
+    return decode(update)
+
+
+def test_concurrent_offers_on_disjoint_senders_equal_sequential_merge() -> None:
+    updates = [make(s, q, weight=0.5 + q / 4, seed=100 * i + q) for i, s in enumerate(SENDERS) for q in range(1, 31)]
+    sequential = replica()
+    for u in updates:
+        sequential.offer(u)
+    r = replica(decode=slow_decode)
+    halves = [[u for u in updates if u.sender in ("a", "b")], [u for u in updates if u.sender in ("c", "d")]]
+    snapshots: list[tuple[torch.Tensor, VersionVector]] = []
+    done = threading.Event()
+    start = threading.Barrier(3)
+
+    def offer_all(batch: list[FakeUpdate], seed: int) -> None:
+        random.Random(seed).shuffle(batch)
+        start.wait()
+        for u in batch:
+            r.offer(u)
+
+    def watch() -> None:
+        start.wait()
+        while not done.is_set():
+            snapshots.append(r.snapshot())
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=offer_all, args=(h, i)) for i, h in enumerate(halves)]
+    watcher = threading.Thread(target=watch)
+    for t in [*threads, watcher]:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    done.set()
+    watcher.join(timeout=10)
+    assert r.version_vector == sequential.version_vector == VersionVector({s: 30 for s in SENDERS})
+    assert torch.allclose(r.theta, sequential.theta, rtol=1e-5, atol=1e-5)
+    # every snapshot is consistent: its theta is exactly the sum of the updates its vector names
+    for theta, vv in snapshots[:: max(1, len(snapshots) // 10)]:
+        named = [u for u in updates if u.seq <= vv.get(u.sender)]
+        assert torch.allclose(theta, reference(named), rtol=1e-5, atol=1e-5)
+
+
+def test_concurrent_offers_of_the_same_updates_merge_each_once() -> None:
+    updates = [make(s, q, seed=10 * q + i) for i, s in enumerate(SENDERS[:2]) for q in range(1, 21)]
+    r = replica(decode=slow_decode)
+    merged: list[list[FakeUpdate]] = [[], []]
+    start = threading.Barrier(2)
+
+    def offer_all(k: int) -> None:
+        batch = list(updates)
+        random.Random(k).shuffle(batch)
+        start.wait()
+        for u in batch:
+            merged[k].extend(r.offer(u)[1])
+
+    threads = [threading.Thread(target=offer_all, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(merged[0] + merged[1], key=lambda u: (u.sender, u.seq)) == updates  # each exactly once
+    assert r.stats["merged"] == len(updates)
+    assert torch.allclose(r.theta, reference(updates), rtol=1e-5, atol=1e-5)

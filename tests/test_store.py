@@ -1,0 +1,121 @@
+"""UpdateStore: bounded bytes with oldest-first eviction, and exact answers to "what does a peer lack"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.version_vector import VersionVector
+
+SENDERS = ["a", "b", "c"]
+
+
+@dataclass(frozen=True)
+class FakeUpdate:
+    sender: str
+    seq: int
+    nbytes: int
+    update_id: bytes = b""
+    weight: float = 1.0
+
+
+adds = st.lists(st.builds(FakeUpdate, st.sampled_from(SENDERS), st.integers(1, 12), st.integers(0, 40)),
+                max_size=40)
+
+
+def model_store(updates: list[FakeUpdate], max_bytes: int) -> list[FakeUpdate]:
+    """Reference: a plain list, oldest first, same rules as the docstring of `UpdateStore.add`."""
+    held: list[FakeUpdate] = []
+    for u in updates:
+        if any((h.sender, h.seq) == (u.sender, u.seq) for h in held) or u.nbytes > max_bytes:
+            continue
+        while sum(h.nbytes for h in held) + u.nbytes > max_bytes:
+            held.pop(0)
+        held.append(u)
+    return held
+
+
+@settings(max_examples=150)
+@given(adds, st.integers(0, 120))
+def test_eviction_respects_max_bytes_oldest_first(updates: list[FakeUpdate], max_bytes: int) -> None:
+    store = UpdateStore(max_bytes)
+    for u in updates:
+        store.add(u)
+        assert store.nbytes <= max_bytes
+    held = model_store(updates, max_bytes)
+    assert len(store) == len(held) and store.nbytes == sum(h.nbytes for h in held)
+    for h in held:
+        assert store.get(h.sender, h.seq) is h and store.has(h.sender, h.seq)
+    for s in SENDERS:
+        seqs = [h.seq for h in held if h.sender == s]
+        assert store.oldest_seq(s) == (min(seqs) if seqs else None)
+
+
+@settings(max_examples=150)
+@given(adds, st.dictionaries(st.sampled_from(SENDERS), st.integers(0, 12)), st.integers(0, 50))
+def test_missing_for_returns_exactly_the_missing_in_order(updates: list[FakeUpdate], remote_raw: dict[str, int],
+                                                          limit: int) -> None:
+    store = UpdateStore(10**9)
+    for u in updates:
+        store.add(u)
+    remote = VersionVector(remote_raw)
+    missing = {(s, q) for s in SENDERS for q in range(1, 13)
+               if store.has(s, q) and q > remote.get(s)}
+    out = store.missing_for(remote, limit)
+    keys = [(u.sender, u.seq) for u in out]
+    assert len(keys) == min(limit, len(missing)) and len(set(keys)) == len(keys)
+    assert set(keys) <= missing
+    for s in SENDERS:
+        got = [q for sender, q in keys if sender == s]
+        wanted = sorted(q for sender, q in missing if sender == s)
+        # per sender: ascending and a prefix of what it lacks (the lowest seqs are the mergeable ones)
+        assert got == wanted[: len(got)]
+    if limit >= len(missing):
+        assert set(keys) == missing
+
+
+def test_missing_for_shares_a_tight_limit_across_senders() -> None:
+    store = UpdateStore(10**6)
+    for s in SENDERS:
+        for q in range(1, 6):
+            store.add(FakeUpdate(s, q, 10))
+    out = store.missing_for(VersionVector({"a": 1}), limit=4)
+    assert [(u.sender, u.seq) for u in out] == [("a", 2), ("b", 1), ("c", 1), ("a", 3)]
+    assert store.missing_for(VersionVector({s: 5 for s in SENDERS}), limit=10) == []
+    assert store.missing_for(VersionVector(), limit=0) == []
+
+
+def test_add_refuses_held_and_oversized() -> None:
+    store = UpdateStore(100)
+    first = FakeUpdate("a", 1, 30, b"x")
+    assert store.add(first)
+    assert not store.add(FakeUpdate("a", 1, 30, b"y"))  # same (sender, seq): the first message stays
+    assert store.get("a", 1) is first
+    assert not store.add(FakeUpdate("b", 1, 101))  # could never fit: evicts nothing
+    assert len(store) == 1 and store.nbytes == 30
+    assert store.get("b", 1) is None and not store.has("b", 1) and store.oldest_seq("b") is None
+    with pytest.raises(ValueError):
+        store.add(FakeUpdate("c", 1, -1))
+
+
+def test_eviction_reveals_unfillable_gap() -> None:
+    store = UpdateStore(30)
+    for q in range(1, 6):
+        store.add(FakeUpdate("a", q, 10))
+    assert store.oldest_seq("a") == 3 and len(store) == 3
+    # a peer at a=1 needs seq 2, which we no longer hold: it must look elsewhere or state-sync
+    assert store.oldest_seq("a") > VersionVector({"a": 1}).get("a") + 1
+
+
+def test_drop_sender() -> None:
+    store = UpdateStore(1000)
+    for s in ("a", "b"):
+        for q in (1, 2, 3):
+            store.add(FakeUpdate(s, q, 7))
+    assert store.drop_sender("a") == 3 and store.drop_sender("zzz") == 0
+    assert store.senders() == ["b"] and len(store) == 3 and store.nbytes == 21
+    assert store.missing_for(VersionVector(), 10) == [store.get("b", q) for q in (1, 2, 3)]
