@@ -1,0 +1,318 @@
+"""Configuration: the RunSpec every peer of a run shares, and presets.
+
+Frozen dataclasses with a docstring under each field (torchtitan's style); the CLI reads those docstrings
+to build `--help` (see `p2p_diloco.cliargs`). Nothing here reads the environment.
+
+The RunSpec is content-hashed: two peers train the same run only if their `spec_hash()` values are equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+CODECS = ("fp32", "fp16", "int8", "int4")
+
+
+class ConfigError(ValueError):
+    """A configuration value a person must fix; the message says which and why."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only byte-level transformer (nanoGPT-style)."""
+
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    block_size: int = 128
+    """Context length in bytes (tokens)."""
+    vocab_size: int = 256
+    """Byte-level vocabulary; 256 covers every byte."""
+    dropout: float = 0.0
+    """Dropout probability (0 for short runs)."""
+
+    def validate(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.n_embd % self.n_head == 0,
+                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+        _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training text comes from and how it is split."""
+
+    corpus: str = "stdlib"
+    """'stdlib' (the running Python's standard-library sources, no download) or a path to a text file or folder."""
+    batch_size: int = 8
+    """Sequences per inner step, per peer."""
+    eval_fraction: float = 0.05
+    """Fraction of the corpus held out for evaluation (chosen by file, deterministically)."""
+    max_corpus_mb: float = 16.0
+    """Read at most this many MB of the corpus (keeps start-up fast)."""
+
+    def validate(self) -> None:
+        _require(self.batch_size > 0, f"data.batch_size must be > 0, got {self.batch_size}")
+        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        _require(self.max_corpus_mb > 0, f"data.max_corpus_mb must be > 0, got {self.max_corpus_mb}")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner phase: H steps of AdamW on local data."""
+
+    inner_steps: int = 50
+    """H: inner steps per outer round."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    warmup_steps: int = 50
+    """Linear warm-up length, in the peer's cumulative inner steps."""
+    decay_steps: int = 2000
+    """Horizon of the cosine schedule, in the peer's cumulative inner steps (lr stays at the floor after)."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of lr."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+    def validate(self) -> None:
+        _require(self.inner_steps > 0, f"inner.inner_steps must be > 0, got {self.inner_steps}")
+        _require(self.lr > 0 and math.isfinite(self.lr), f"inner.lr must be a positive number, got {self.lr}")
+        _require(self.weight_decay >= 0, f"inner.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1 and inner.beta2 must be in [0, 1)")
+        _require(self.warmup_steps >= 0, f"inner.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.decay_steps > 0, f"inner.decay_steps must be > 0, got {self.decay_steps}")
+        _require(0 <= self.min_lr_ratio <= 1, f"inner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.grad_clip >= 0, f"inner.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer step: sender-side Nesterov, compression with error feedback, weighting."""
+
+    outer_lr: float = 0.7
+    """Outer learning rate (DiLoCo: 0.7)."""
+    momentum: float = 0.9
+    """Outer momentum mu (DiLoCo: 0.9); 0 gives plain averaging."""
+    nesterov: bool = True
+    """Nesterov momentum (DiLoCo); False gives heavy-ball."""
+    codec: str = "int8"
+    """Payload codec: fp32, fp16, int8 or int4 (blockwise absmax)."""
+    codec_block: int = 256
+    """Values per absmax block for int8/int4."""
+    error_feedback: bool = True
+    """Carry the compression error into the next round's update."""
+    staleness_power: float = 0.5
+    """Damp an update's weight by (1 + excess_staleness/N)^-power; 0 disables damping."""
+    max_weight: float = 1.0
+    """Receivers clamp an update's signed weight to [0, max_weight]."""
+
+    def validate(self) -> None:
+        _require(self.outer_lr > 0 and math.isfinite(self.outer_lr),
+                 f"outer.outer_lr must be a positive number, got {self.outer_lr}")
+        _require(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
+        _require(self.codec in CODECS, f"outer.codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        _require(self.codec_block > 0 and self.codec_block % 2 == 0,
+                 f"outer.codec_block must be a positive even number, got {self.codec_block}")
+        _require(self.staleness_power >= 0, f"outer.staleness_power must be >= 0, got {self.staleness_power}")
+        _require(self.max_weight > 0, f"outer.max_weight must be > 0, got {self.max_weight}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything the peers of one run must agree on. Content-hashed by `spec_hash()`."""
+
+    run_id: str = "default"
+    """Name of the run; peers of different runs ignore each other."""
+    seed: int = 0
+    """Seed for the initial parameters (every peer starts from the same theta)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+
+    def validate(self) -> RunSpec:
+        _require(bool(self.run_id) and len(self.run_id) <= 64 and self.run_id.isprintable(),
+                 f"run_id must be 1-64 printable characters, got {self.run_id!r}")
+        for part in (self.model, self.data, self.inner, self.outer):
+            part.validate()
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunSpec:
+        subs = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        _require(not unknown, f"unknown RunSpec fields: {sorted(unknown)}")
+        kwargs = {}
+        for key, value in d.items():
+            if key in subs:
+                sub_known = {f.name for f in dataclasses.fields(subs[key])}
+                bad = set(value) - sub_known
+                _require(not bad, f"unknown {key} fields: {sorted(bad)}")
+                kwargs[key] = subs[key](**value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    def spec_hash(self) -> str:
+        """sha256 over the canonical JSON of every field; equal hashes mean the same run."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def differing_fields(self, other: RunSpec) -> list[str]:
+        """Dotted names of the fields where two specs differ (for a clear mismatch error)."""
+        return _diff(self.to_dict(), other.to_dict(), "")
+
+
+def _diff(a: dict, b: dict, prefix: str) -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{key}.")
+        elif va != vb:
+            out.append(f"{prefix}{key}: {va!r} != {vb!r}")
+    return out
+
+
+# ---- presets: plain functions returning a RunSpec -------------------------------------------------------
+
+def _preset_test() -> RunSpec:
+    # < 1M parameters (0.12M): the CI model, trains in seconds on a laptop core.
+    return RunSpec(
+        model=ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+        data=DataConfig(batch_size=8, max_corpus_mb=4.0),
+        inner=InnerConfig(inner_steps=20, lr=3e-3, warmup_steps=20, decay_steps=600),
+    )
+
+
+def _preset_tiny() -> RunSpec:
+    # 0.84M parameters: the CPU benchmark model.
+    return RunSpec(
+        model=ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
+        data=DataConfig(batch_size=8, max_corpus_mb=8.0),
+        inner=InnerConfig(inner_steps=50, lr=2e-3, warmup_steps=50, decay_steps=3000),
+    )
+
+
+def _preset_small() -> RunSpec:
+    # ~10.8M parameters: the default "real" model; ~1.4 s/step on 2 CPU cores, fast on any GPU.
+    return RunSpec(
+        model=ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256),
+        data=DataConfig(batch_size=8, max_corpus_mb=16.0),
+        inner=InnerConfig(inner_steps=100, lr=1e-3, warmup_steps=100, decay_steps=5000),
+    )
+
+
+def _preset_base() -> RunSpec:
+    # ~128M parameters (GPT-2 small width, 18 layers: a byte vocabulary has no 38M-parameter embedding): GPUs.
+    return RunSpec(
+        model=ModelConfig(n_layer=18, n_head=12, n_embd=768, block_size=1024),
+        data=DataConfig(batch_size=16, max_corpus_mb=64.0),
+        inner=InnerConfig(inner_steps=500, lr=6e-4, warmup_steps=500, decay_steps=50_000),
+    )
+
+
+PRESETS = {"test": _preset_test, "tiny": _preset_tiny, "small": _preset_small, "base": _preset_base}
+
+
+def preset(name: str) -> RunSpec:
+    """The RunSpec of a named preset; a clear error names the valid ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The in-process swarm: N learner units on one simulated clock, and the network between them."""
+
+    peers: int = 4
+    """Learner units at the start."""
+    method: str = "async"
+    """async (p2p DiLoCo), sync (DiLoCo with a barrier every H steps) or dp (data-parallel, all-reduce every step)."""
+    total_steps: int = 800
+    """Token budget: inner steps summed over all peers (equal across methods)."""
+    speeds: tuple[str, ...] = ()
+    """Per-peer speed factors, comma-separated (e.g. 1,1,1,0.25); missing ones are 1."""
+    step_time_s: float = 1.0
+    """Simulated seconds per inner step at speed 1."""
+    latency_s: float = 0.05
+    """One-way message latency, seconds."""
+    bandwidth_mbps: float = 100.0
+    """Each peer's uplink, megabits per second."""
+    loss: float = 0.0
+    """Probability that a message is lost; lost updates come back through anti-entropy."""
+    anti_entropy_s: float = 10.0
+    """Simulated seconds until a lost message is recovered by anti-entropy."""
+    crash: tuple[str, ...] = ()
+    """Scripted crashes PEER@SECONDS, comma-separated (e.g. 2@300): the peer dies, its phase is lost."""
+    join: tuple[str, ...] = ()
+    """Scripted joins at SECONDS, comma-separated: a new peer syncs state from a live one and trains."""
+    eval_every_s: float = 0.0
+    """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
+    eval_batches: int = 8
+    """Eval batches per eval point."""
+
+    def validate(self) -> SimConfig:
+        _require(self.peers >= 1, f"peers must be >= 1, got {self.peers}")
+        _require(self.method in ("async", "sync", "dp"), f"method must be async, sync or dp, got {self.method!r}")
+        _require(self.total_steps > 0, f"total_steps must be > 0, got {self.total_steps}")
+        _require(self.step_time_s > 0, f"step_time_s must be > 0, got {self.step_time_s}")
+        _require(self.latency_s >= 0, f"latency_s must be >= 0, got {self.latency_s}")
+        _require(self.bandwidth_mbps > 0, f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
+        _require(0 <= self.loss < 1, f"loss must be in [0, 1), got {self.loss}")
+        _require(self.anti_entropy_s > 0, f"anti_entropy_s must be > 0, got {self.anti_entropy_s}")
+        _require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
+        speeds = self.speed_factors()
+        _require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")
+        self.crashes()
+        self.joins()
+        return self
+
+    def speed_factors(self) -> list[float]:
+        try:
+            given = [float(s) for s in self.speeds]
+        except ValueError as err:
+            raise ConfigError(f"speeds must be numbers, got {self.speeds}: {err}") from None
+        _require(len(given) <= self.peers, f"{len(given)} speeds given for {self.peers} peers")
+        return given + [1.0] * (self.peers - len(given))
+
+    def crashes(self) -> list[tuple[int, float]]:
+        out = []
+        for item in self.crash:
+            peer, _, at = item.partition("@")
+            try:
+                out.append((int(peer), float(at)))
+            except ValueError:
+                raise ConfigError(f"crash must look like PEER@SECONDS (e.g. 2@300), got {item!r}") from None
+            _require(0 <= out[-1][0] < self.peers, f"crash names peer {out[-1][0]}, but peers are 0..{self.peers - 1}")
+        return out
+
+    def joins(self) -> list[float]:
+        try:
+            return [float(t) for t in self.join]
+        except ValueError:
+            raise ConfigError(f"join must be times in seconds, got {self.join}") from None

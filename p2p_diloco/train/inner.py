@@ -1,0 +1,74 @@
+"""The inner phase: H steps of AdamW on local data (DiLoCo, Douillard et al. 2023, Algorithm 1 lines 4-8).
+
+The AdamW state persists across inner phases, as in DiLoCo; the learning-rate schedule follows the peer's
+cumulative inner step so that a peer that joins late warms up on its own clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.config import InnerConfig
+
+
+def lr_at(step: int, cfg: InnerConfig) -> float:
+    """Linear warm-up to `lr`, then cosine down to `lr * min_lr_ratio` at `decay_steps`, flat after."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.decay_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_inner_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+    # No weight decay on biases and LayerNorm gains (nanoGPT's split): decaying them only hurts.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+@dataclass
+class InnerResult:
+    """What one inner phase did."""
+
+    steps: int
+    samples: int
+    mean_loss: float
+    last_loss: float
+    compute_s: float
+
+
+def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               step: int, cfg: InnerConfig) -> float:
+    """One AdamW step on a batch at cumulative step `step`; returns the training loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    _, loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return float(loss.detach())
+
+
+def inner_phase(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler, start_step: int,
+                steps: int, cfg: InnerConfig) -> InnerResult:
+    """Run `steps` inner steps from cumulative step `start_step`; `sampler.batch(step)` gives the data,
+    so the data position after a phase is just `start_step + steps`."""
+    model.train()
+    t0 = time.perf_counter()
+    losses = []
+    samples = 0
+    for step in range(start_step, start_step + steps):
+        x, y = sampler.batch(step)
+        losses.append(inner_step(model, optimizer, x, y, step, cfg))
+        samples += x.shape[0]
+    return InnerResult(steps=steps, samples=samples, mean_loss=sum(losses) / max(1, len(losses)),
+                       last_loss=losses[-1] if losses else float("nan"), compute_s=time.perf_counter() - t0)

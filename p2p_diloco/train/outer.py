@@ -1,0 +1,71 @@
+"""The outer step, applied by the sender: pseudo-gradient, Nesterov momentum, compression with error feedback,
+and the update's weight.
+
+DiLoCo (Douillard et al. 2023) averages the peers' pseudo-gradients and applies outer Nesterov to the
+average. That step is linear in the pseudo-gradients, so the mean of per-sender Nesterov steps equals the
+Nesterov step of the mean: each sender keeps its own momentum `m` and publishes `d = delta + mu * m`. The
+receivers' merge is then a plain weighted sum, which commutes, so replicas that merged the same updates are
+equal whatever the arrival order (DESIGN.md section 3).
+
+Compression error feedback (Seide et al. 2014; Karimireddy et al. 2019): what the codec loses this round is
+added to the next round's update, so nothing is lost for good, only delayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.config import OuterConfig
+from p2p_diloco.wire.codecs import Codec
+
+
+def pseudo_gradient(theta0: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """delta = theta at phase start - local params at phase end (a descent direction, like a gradient)."""
+    return theta0 - phi
+
+
+@dataclass
+class OuterState:
+    """Sender-side state carried across rounds (checkpointed with the replica)."""
+
+    momentum: torch.Tensor
+    error: torch.Tensor
+
+    @classmethod
+    def zeros(cls, numel: int) -> OuterState:
+        return cls(momentum=torch.zeros(numel), error=torch.zeros(numel))
+
+
+def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec) -> tuple[bytes, torch.Tensor]:
+    """Apply momentum and compression to a pseudo-gradient; returns (payload, decompressed payload).
+
+    The sender merges the decompressed payload into its own replica, exactly what receivers get.
+    """
+    mu = cfg.momentum
+    state.momentum.mul_(mu).add_(delta)
+    d = delta + mu * state.momentum if cfg.nesterov else state.momentum.clone()
+    if cfg.error_feedback:
+        d.add_(state.error)
+    payload = codec.compress(d)
+    decoded = codec.decompress(payload, d.numel())
+    if cfg.error_feedback:
+        state.error.copy_(d - decoded)
+    return payload, decoded
+
+
+def update_weight(samples: int, swarm_samples_per_round: float, tau: int, num_peers: int, cfg: OuterConfig) -> float:
+    """The weight `w` a sender signs into its update.
+
+    `samples / swarm_samples_per_round` is the share of one swarm round this update represents: with N equal
+    peers it is 1/N, so one update from each peer moves theta by one DiLoCo outer step. A slower peer's update
+    carries the same per-sample weight; it simply arrives less often.
+
+    Staleness damping: in a healthy async round each of the other N-1 peers publishes about once while this
+    phase runs, so tau ~ N-1 is normal. Only the excess is damped: w *= (1 + excess / N) ** -power.
+    """
+    base = samples / max(1e-9, swarm_samples_per_round)
+    excess = max(0, tau - (num_peers - 1))
+    damp = (1.0 + excess / max(1, num_peers)) ** (-cfg.staleness_power)
+    return float(min(cfg.max_weight, base * damp))
