@@ -1,0 +1,1 @@
+"""In-process swarms on a simulated clock, and their baselines."""

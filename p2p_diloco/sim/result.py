@@ -1,0 +1,82 @@
+"""What a simulated run reports (DESIGN.md section 8): loss at equal tokens, bytes, utilization, staleness,
+replica divergence."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class EvalPoint:
+    time_s: float
+    tokens: int
+    loss: float
+
+
+@dataclass
+class PeerReport:
+    index: int
+    peer_id: str
+    alive: bool
+    steps: int
+    bytes_sent: int
+    tokens: int
+    utilization: float
+    taus: list[int]
+    eval_loss: float | None
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_sent / max(1, self.tokens)
+
+
+@dataclass
+class SimResult:
+    method: str
+    eval_loss: float
+    sim_time_s: float
+    tokens: int
+    divergence: float
+    curve: list[EvalPoint]
+    peers: list[PeerReport]
+    numel: int
+    messages_lost: int = 0
+    theta: torch.Tensor | None = None  # the mean replica, for callers that want to evaluate further
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("theta")
+        for p, rep in zip(d["peers"], self.peers):
+            p["bytes_per_token"] = rep.bytes_per_token
+        return d
+
+    def time_to_loss(self, target: float) -> float | None:
+        """Simulated seconds until the eval curve first reaches `target` (None if never)."""
+        return next((p.time_s for p in self.curve if p.loss <= target), None)
+
+    def table(self) -> str:
+        lines = [f"{'peer':>4} {'alive':>5} {'steps':>6} {'eval':>7} {'tau med':>7} {'tau max':>7} "
+                 f"{'util':>5} {'MB sent':>8} {'B/token':>8} rejected"]
+        for p in self.peers:
+            med = statistics.median(p.taus) if p.taus else 0
+            mx = max(p.taus) if p.taus else 0
+            loss = f"{p.eval_loss:.4f}" if p.eval_loss is not None else "-"
+            rej = {k: v for k, v in p.rejected.items() if k not in ("merged", "buffered", "duplicate")}
+            lines.append(f"{p.index:>4} {str(p.alive):>5} {p.steps:>6} {loss:>7} {med:>7.1f} {mx:>7} "
+                         f"{p.utilization:>5.0%} {p.bytes_sent / 1e6:>8.2f} {p.bytes_per_token:>8.2f} {rej or ''}")
+        lines.append(f"method={self.method} eval_loss={self.eval_loss:.4f} tokens={self.tokens} "
+                     f"sim_time={self.sim_time_s:.0f}s divergence={self.divergence:.2e} lost_msgs={self.messages_lost}")
+        return "\n".join(lines)
+
+
+def divergence(thetas: list[torch.Tensor]) -> float:
+    """max_i ||theta_i - mean|| / ||mean|| (DESIGN.md section 8)."""
+    if len(thetas) < 2:
+        return 0.0
+    mean = torch.stack(thetas).mean(0)
+    norm = float(mean.norm()) or 1.0
+    return max(float((t - mean).norm()) for t in thetas) / norm

@@ -1,0 +1,214 @@
+"""The in-process async swarm: N learner units on one simulated clock over the in-memory network.
+
+Each unit trains at its own speed and publishes when its phase ends; nobody waits for anybody. The inner
+phase is computed when its end event fires (phi depends only on theta0, captured at the phase start), so
+one process can play many peers in simulated time while remote updates land in each replica in between,
+exactly as they would on a real network.
+
+Dissemination: the sender pushes a copy to every peer (what gossip achieves on average); lost messages and
+joiners' gaps are repaired by anti-entropy, a periodic pull of what a random peer holds and we lack.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco.config import RunSpec, SimConfig
+from p2p_diloco.net.memory import MemoryNetwork
+from p2p_diloco.sim.events import EventQueue
+from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.train.data import Corpus, eval_batches
+from p2p_diloco.train.learner import Learner, Phase, SwarmView
+from p2p_diloco.wire.envelope import encode_update
+from p2p_diloco.wire.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SimPeer:
+    index: int
+    learner: Learner
+    speed: float
+    store: UpdateStore
+    alive: bool = True
+    busy: bool = False  # inside an inner phase
+    phase: Phase | None = None
+    incarnation: int = 0
+    compute_s: float = 0.0
+    joined_at: float = 0.0
+    left_at: float | None = None
+    done_at: float | None = None  # when the token budget ran out for it: utilization is measured until then
+    taus: list[int] = field(default_factory=list)
+
+
+class AsyncSwarm:
+    """p2p DiLoCo in one process. `run()` returns a `SimResult`."""
+
+    def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, *, progress=None):
+        self.spec = spec.validate()
+        self.sim = sim.validate()
+        self.corpus = corpus
+        self.progress = progress
+        self.rng = random.Random(spec.seed)
+        self.queue = EventQueue()
+        self.net = MemoryNetwork(self.queue, latency_s=sim.latency_s, bandwidth_mbps=sim.bandwidth_mbps,
+                                 loss=sim.loss, rng=self.rng)
+        self.num_shards = sim.peers + len(sim.joins())
+        self.peers: list[SimPeer] = []
+        self.steps_started = 0
+        self.eval_set = eval_batches(corpus, block_size=spec.model.block_size, batch_size=spec.data.batch_size,
+                                     num_batches=sim.eval_batches)
+        self.curve: list[EvalPoint] = []
+        H, speeds = spec.inner.inner_steps, sim.speed_factors()
+        self.phase_s = [H * sim.step_time_s / s for s in speeds]
+        self.eval_every_s = sim.eval_every_s or (sim.total_steps / sim.peers * sim.step_time_s / 20)
+
+    # ---- peers ----------------------------------------------------------------------------------------
+
+    def _add_peer(self, speed: float, state=None) -> SimPeer:
+        index = len(self.peers)
+        learner = Learner(self.spec, Identity.generate(), self.corpus, shard=index % self.num_shards,
+                          num_shards=self.num_shards, replica_state=state)
+        peer = SimPeer(index=index, learner=learner, speed=speed, store=UpdateStore(max_bytes=256 << 20),
+                       joined_at=self.queue.now)
+        self.peers.append(peer)
+        self.net.attach(learner.peer_id, lambda data, src, p=peer: self._receive(p, data))
+        return peer
+
+    def _alive(self) -> list[SimPeer]:
+        return [p for p in self.peers if p.alive]
+
+    def _view(self) -> SwarmView:
+        n = len(self._alive())
+        return SwarmView(num_peers=n, samples_per_round=n * self.spec.inner.inner_steps * self.spec.data.batch_size)
+
+    def _receive(self, peer: SimPeer, data: bytes) -> None:
+        outcome, update = peer.learner.intake.receive(data)
+        if update is not None and outcome in ("merged", "buffered"):
+            peer.store.add(update)
+
+    # ---- the round loop on the simulated clock ------------------------------------------------------
+
+    def _start_phase(self, peer: SimPeer) -> None:
+        H = self.spec.inner.inner_steps
+        if not peer.alive or self.steps_started + H > self.sim.total_steps:
+            if peer.busy and peer.alive:
+                peer.done_at = self.queue.now
+            peer.busy = False
+            return
+        self.steps_started += H
+        peer.busy = True
+        peer.phase = peer.learner.begin_phase()
+        self.queue.push(self.queue.now + self._phase_s(peer), self._end_phase, peer, peer.incarnation)
+
+    def _phase_s(self, peer: SimPeer) -> float:
+        return self.spec.inner.inner_steps * self.sim.step_time_s / peer.speed
+
+    def _end_phase(self, peer: SimPeer, incarnation: int) -> None:
+        if not peer.alive or incarnation != peer.incarnation:
+            return  # crashed mid-phase: the phase is lost, as on a real machine
+        learner = peer.learner
+        result = learner.run_inner(peer.phase)
+        update = learner.finish_phase(peer.phase, result, self._view())
+        peer.taus.append(update.header.tau)
+        peer.compute_s += self._phase_s(peer)
+        peer.store.add(update)
+        self.net.broadcast(learner.peer_id, encode_update(update))
+        if self.progress:
+            self.progress(self.steps_started, self.sim.total_steps, result.mean_loss)
+        self._start_phase(peer)
+
+    def _anti_entropy(self) -> None:
+        """Each live peer pulls from one random live peer what that peer holds and it lacks."""
+        alive = self._alive()
+        for peer in alive:
+            others = [p for p in alive if p is not peer]
+            if not others:
+                continue
+            donor = self.rng.choice(others)
+            for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=64):
+                self.net.send(donor.learner.peer_id, peer.learner.peer_id, encode_update(update))
+        if not self._quiet():
+            self.queue.push(self.queue.now + self.sim.anti_entropy_s, self._anti_entropy)
+
+    def _quiet(self) -> bool:
+        alive = self._alive()
+        if any(p.busy for p in alive) or self.net.in_flight:
+            return False
+        vectors = {p.learner.replica.version_vector for p in alive}
+        return len(vectors) <= 1
+
+    def _crash(self, index: int) -> None:
+        peer = self.peers[index]
+        if not peer.alive:
+            return
+        peer.alive, peer.busy, peer.left_at = False, False, self.queue.now
+        peer.incarnation += 1
+        self.net.detach(peer.learner.peer_id)
+        logger.info("sim: peer %d crashed at t=%.0fs", index, self.queue.now)
+
+    def _join(self) -> None:
+        alive = self._alive()
+        if not alive:
+            return
+        donor = self.rng.choice(alive)
+        peer = self._add_peer(1.0, state=donor.learner.replica.snapshot())
+        # The snapshot travels at the donor's bandwidth; the joiner starts training once it has it.
+        sync_s = peer.learner.numel * 4 / self.net.bytes_per_s + self.sim.latency_s
+        self.net.bytes_sent[donor.learner.peer_id] += peer.learner.numel * 4
+        for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):
+            peer.learner.intake.receive(encode_update(update))
+        logger.info("sim: peer %d joined at t=%.0fs from donor %d", peer.index, self.queue.now, donor.index)
+        self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
+
+    def _eval_point(self) -> None:
+        alive = self._alive()
+        if alive:
+            tokens = self.steps_started * self.spec.data.batch_size * self.spec.model.block_size
+            loss = alive[0].learner.evaluate(self.eval_set)
+            self.curve.append(EvalPoint(time_s=self.queue.now, tokens=tokens, loss=loss))
+        if any(p.busy for p in alive):
+            self.queue.push(self.queue.now + self.eval_every_s, self._eval_point)
+
+    def run(self) -> SimResult:
+        for speed in self.sim.speed_factors():
+            self._add_peer(speed)
+        for index, at in self.sim.crashes():
+            self.queue.push(at, self._crash, index)
+        for at in self.sim.joins():
+            self.queue.push(at, self._join)
+        for peer in self.peers:
+            self._start_phase(peer)
+        self.queue.push(0.0, self._eval_point)
+        self.queue.push(self.sim.anti_entropy_s, self._anti_entropy)
+        self.queue.run()
+        return self._result()
+
+    def _result(self) -> SimResult:
+        alive = self._alive()
+        final = {p.index: p.learner.evaluate(self.eval_set) for p in alive}
+        losses = list(final.values())
+        thetas = [p.learner.replica.snapshot()[0] for p in alive]
+        tokens = self.steps_started * self.spec.data.batch_size * self.spec.model.block_size
+        self.curve.append(EvalPoint(time_s=self.queue.now, tokens=tokens, loss=losses[0]))
+        reports = []
+        for p in self.peers:
+            end = next(t for t in (p.left_at, p.done_at, self.queue.now) if t is not None)
+            lifetime = end - p.joined_at
+            reports.append(PeerReport(
+                index=p.index, peer_id=p.learner.peer_id, alive=p.alive, steps=p.learner.step,
+                bytes_sent=self.net.bytes_sent[p.learner.peer_id],
+                tokens=p.learner.step * self.spec.data.batch_size * self.spec.model.block_size,
+                utilization=p.compute_s / lifetime if lifetime > 0 else 0.0, taus=p.taus,
+                eval_loss=final.get(p.index),
+                rejected=dict(p.learner.intake.counts)))
+        return SimResult(method="async", eval_loss=float(sum(losses) / len(losses)), sim_time_s=self.queue.now,
+                         tokens=tokens, divergence=divergence(thetas), curve=self.curve, peers=reports,
+                         messages_lost=self.net.messages_lost, numel=alive[0].learner.numel,
+                         theta=torch.stack(thetas).mean(0))
