@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "keygen":
             p.add_argument("--force", action="store_true", help="replace an existing identity")
         p.set_defaults(func=func)
+
+    from p2p_diloco.swarm_cli import add_swarm_commands  # bootstrap | join | status: the real network
+
+    add_swarm_commands(sub)
     return parser
 
 

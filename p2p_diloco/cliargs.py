@@ -87,7 +87,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, default: Any,
     """
     group = parser.add_argument_group(title)
     seen: set[str] = set()
-    for path, f, tp, owner in _leaves(cls):
+    for path, _f, tp, owner in _leaves(cls):
         name = path[-1]
         if name in skip:
             continue

@@ -39,11 +39,12 @@ def test_error_feedback_keeps_the_sum_of_updates(codec_name, seed):
     sent, decoded_sum = torch.zeros(1000), torch.zeros(1000)
     for _ in range(10):
         d = torch.randn(1000, generator=g)
+        compressed_input = d + state.error
         sent += d
         decoded_sum += outer_update(d, state, cfg, codec)[1]
+        # the carried error is one round's quantisation error of what was compressed: it never accumulates
+        assert bool((state.error.abs() <= codec.error_bound(compressed_input) + 1e-6).all())
     assert torch.allclose(decoded_sum + state.error, sent, atol=1e-4)
-    # and the carried error stays at the size of one round's quantisation error, not growing
-    assert float(state.error.abs().max()) <= float(codec.error_bound(sent / 10 + state.error).max()) * 4 + 1e-3
 
 
 def test_pseudo_gradient_is_theta0_minus_phi():

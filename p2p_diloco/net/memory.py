@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from p2p_diloco.sim.events import EventQueue
+from p2p_diloco.train.learner import SwarmView
+from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 
 Handler = Callable[[bytes, str], None]  # (data, sender)
 
@@ -60,3 +62,16 @@ class MemoryNetwork:
         handler = self.handlers.get(dst)
         if handler is not None:  # a crashed peer receives nothing
             handler(data, src)
+
+
+class MemoryExchange:
+    """The `Exchange` of one peer on a `MemoryNetwork`: publish = full dissemination of the encoded update."""
+
+    def __init__(self, network: MemoryNetwork, peer_id: str, view: Callable[[], SwarmView]):
+        self.network, self.peer_id, self._view = network, peer_id, view
+
+    def publish(self, update: OuterUpdate) -> None:
+        self.network.broadcast(self.peer_id, encode_update(update))
+
+    def swarm_view(self) -> SwarmView:
+        return self._view()

@@ -1,9 +1,9 @@
 """The in-process async swarm: N learner units on one simulated clock over the in-memory network.
 
-Each unit trains at its own speed and publishes when its phase ends; nobody waits for anybody. The inner
-phase is computed when its end event fires (phi depends only on theta0, captured at the phase start), so
-one process can play many peers in simulated time while remote updates land in each replica in between,
-exactly as they would on a real network.
+Each unit trains at its own speed and publishes when its phase ends; nobody waits for anybody. A unit's
+inner steps are computed lazily: before a remote update lands in its replica, the unit first runs the
+steps it would have finished by then (`_advance`), so mid-phase rebasing sees updates at the step they
+would reach on a real network (to within one step).
 
 Dissemination: the sender pushes a copy to every peer (what gossip achieves on average); lost messages and
 joiners' gaps are repaired by anti-entropy, a periodic pull of what a random peer holds and we lack.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
-from p2p_diloco.net.memory import MemoryNetwork
+from p2p_diloco.net.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
 from p2p_diloco.sync.store import UpdateStore
@@ -36,15 +36,18 @@ class SimPeer:
     learner: Learner
     speed: float
     store: UpdateStore
+    exchange: MemoryExchange
     alive: bool = True
     busy: bool = False  # inside an inner phase
     phase: Phase | None = None
+    phase_started: float = 0.0
     incarnation: int = 0
     compute_s: float = 0.0
     joined_at: float = 0.0
     left_at: float | None = None
     done_at: float | None = None  # when the token budget ran out for it: utilization is measured until then
     taus: list[int] = field(default_factory=list)
+    held_since: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
 class AsyncSwarm:
@@ -76,7 +79,7 @@ class AsyncSwarm:
         learner = Learner(self.spec, Identity.generate(), self.corpus, shard=index % self.num_shards,
                           num_shards=self.num_shards, replica_state=state)
         peer = SimPeer(index=index, learner=learner, speed=speed, store=UpdateStore(max_bytes=256 << 20),
-                       joined_at=self.queue.now)
+                       exchange=MemoryExchange(self.net, learner.peer_id, self._view), joined_at=self.queue.now)
         self.peers.append(peer)
         self.net.attach(learner.peer_id, lambda data, src, p=peer: self._receive(p, data))
         return peer
@@ -89,9 +92,12 @@ class AsyncSwarm:
         return SwarmView(num_peers=n, samples_per_round=n * self.spec.inner.inner_steps * self.spec.data.batch_size)
 
     def _receive(self, peer: SimPeer, data: bytes) -> None:
+        if peer.busy:
+            self._advance(peer)
         outcome, update = peer.learner.intake.receive(data)
         if update is not None and outcome in ("merged", "buffered"):
             peer.store.add(update)
+            peer.held_since[(update.sender, update.seq)] = self.queue.now
 
     # ---- the round loop on the simulated clock ------------------------------------------------------
 
@@ -105,21 +111,30 @@ class AsyncSwarm:
         self.steps_started += H
         peer.busy = True
         peer.phase = peer.learner.begin_phase()
+        peer.phase_started = self.queue.now
         self.queue.push(self.queue.now + self._phase_s(peer), self._end_phase, peer, peer.incarnation)
 
     def _phase_s(self, peer: SimPeer) -> float:
         return self.spec.inner.inner_steps * self.sim.step_time_s / peer.speed
+
+    def _advance(self, peer: SimPeer) -> None:
+        """Run the inner steps this peer would have finished by now on its simulated clock."""
+        step_s = self.sim.step_time_s / peer.speed
+        due = min(self.spec.inner.inner_steps, int((self.queue.now - peer.phase_started) / step_s + 1e-9))
+        if due > peer.phase.steps_done:
+            peer.learner.run_inner(peer.phase, due - peer.phase.steps_done)
 
     def _end_phase(self, peer: SimPeer, incarnation: int) -> None:
         if not peer.alive or incarnation != peer.incarnation:
             return  # crashed mid-phase: the phase is lost, as on a real machine
         learner = peer.learner
         result = learner.run_inner(peer.phase)
-        update = learner.finish_phase(peer.phase, result, self._view())
+        update = learner.finish_phase(peer.phase, result, peer.exchange.swarm_view())
         peer.taus.append(update.header.tau)
         peer.compute_s += self._phase_s(peer)
         peer.store.add(update)
-        self.net.broadcast(learner.peer_id, encode_update(update))
+        peer.held_since[(update.sender, update.seq)] = self.queue.now
+        peer.exchange.publish(update)
         if self.progress:
             self.progress(self.steps_started, self.sim.total_steps, result.mean_loss)
         self._start_phase(peer)
@@ -132,8 +147,12 @@ class AsyncSwarm:
             if not others:
                 continue
             donor = self.rng.choice(others)
+            # Only what the donor has held for a while: younger updates are most likely still in flight to
+            # the puller by the normal path, and sending them again would only cost bytes.
+            settled = self.queue.now - self.sim.anti_entropy_s / 2
             for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=64):
-                self.net.send(donor.learner.peer_id, peer.learner.peer_id, encode_update(update))
+                if donor.held_since.get((update.sender, update.seq), 0.0) <= settled:
+                    self.net.send(donor.learner.peer_id, peer.learner.peer_id, encode_update(update))
         if not self._quiet():
             self.queue.push(self.queue.now + self.sim.anti_entropy_s, self._anti_entropy)
 

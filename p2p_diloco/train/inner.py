@@ -7,7 +7,6 @@ cumulative inner step so that a peer that joins late warms up on its own clock.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -56,19 +55,3 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     return float(loss.detach())
-
-
-def inner_phase(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler, start_step: int,
-                steps: int, cfg: InnerConfig) -> InnerResult:
-    """Run `steps` inner steps from cumulative step `start_step`; `sampler.batch(step)` gives the data,
-    so the data position after a phase is just `start_step + steps`."""
-    model.train()
-    t0 = time.perf_counter()
-    losses = []
-    samples = 0
-    for step in range(start_step, start_step + steps):
-        x, y = sampler.batch(step)
-        losses.append(inner_step(model, optimizer, x, y, step, cfg))
-        samples += x.shape[0]
-    return InnerResult(steps=steps, samples=samples, mean_loss=sum(losses) / max(1, len(losses)),
-                       last_loss=losses[-1] if losses else float("nan"), compute_s=time.perf_counter() - t0)

@@ -1,8 +1,9 @@
 """The learner unit: one replica, one local model, and the round loop of DESIGN.md section 3.
 
-    V_base, theta0 <- snapshot(replica);  phi <- theta0
-    H inner steps of AdamW on phi                      (compute; never touches the network)
-    delta <- theta0 - phi; d <- Nesterov(delta); q <- compress(d + e)
+    base, V_base <- snapshot(replica);  phi <- base
+    H inner steps of AdamW on phi                      (compute; never waits on the network)
+        between steps: if the replica merged remote updates, phi += theta - base; base <- theta
+    delta <- base - phi; d <- Nesterov(delta); q <- compress(d + e)
     U <- sign(header{run, sender, seq, tau, samples, w, codec, digest}, q)
     merge(U) locally; publish(U)
 
@@ -14,7 +15,7 @@ through `Intake` on another thread; the replica's lock makes the merge and the s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +24,7 @@ from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import MergeOutcome, Replica
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data import Corpus, ShardSampler, evaluate
-from p2p_diloco.train.inner import InnerResult, inner_phase, make_inner_optimizer
+from p2p_diloco.train.inner import InnerResult, inner_step, make_inner_optimizer
 from p2p_diloco.train.model import build_model, flat_params, load_flat_params
 from p2p_diloco.train.outer import OuterState, outer_update, pseudo_gradient, update_weight
 from p2p_diloco.wire.codecs import get_codec
@@ -33,11 +34,27 @@ from p2p_diloco.wire.identity import Identity
 
 @dataclass
 class Phase:
-    """What a phase starts from: the replica and its version vector at that moment."""
+    """One inner phase in progress.
 
-    theta0: torch.Tensor
+    `base` is the replica state phi was last rebased onto and `version_vector` its vector: remote updates
+    that reach the replica mid-phase are added to phi too between inner steps (`_rebase`), so the local model
+    tracks the swarm instead of re-learning what others already published. The pseudo-gradient
+    `base - phi` stays this unit's own progress, and its staleness is only what arrived since the last rebase.
+    """
+
+    base: torch.Tensor
     version_vector: VersionVector
     started_at: float
+    steps_done: int = 0
+    samples: int = 0
+    losses: list[float] = field(default_factory=list)
+    compute_s: float = 0.0
+    rebases: int = 0
+
+    def result(self) -> InnerResult:
+        return InnerResult(steps=self.steps_done, samples=self.samples,
+                           mean_loss=sum(self.losses) / max(1, len(self.losses)),
+                           last_loss=self.losses[-1] if self.losses else float("nan"), compute_s=self.compute_s)
 
 
 @dataclass
@@ -73,6 +90,7 @@ class Learner:
                                     seed=spec.seed)
         self.step = 0  # cumulative inner steps: the schedule's clock and the data position
         self.history: list[dict] = []
+        self._eval_model: torch.nn.Module | None = None
 
     def _decode(self, update) -> torch.Tensor:
         return self.codec.decompress(update.payload, update.header.numel)
@@ -80,21 +98,38 @@ class Learner:
     # ---- the round loop, in three named parts so a caller can interleave the network ----------------
 
     def begin_phase(self) -> Phase:
-        theta0, vv = self.replica.snapshot()
-        return Phase(theta0=theta0, version_vector=vv, started_at=time.time())
+        theta, vv = self.replica.snapshot()
+        load_flat_params(self.model, theta)
+        return Phase(base=theta, version_vector=vv, started_at=time.time())
 
-    def run_inner(self, phase: Phase) -> InnerResult:
-        """H inner steps from the phase's theta0. The AdamW state carries over between phases (DiLoCo)."""
-        load_flat_params(self.model, phase.theta0)
-        result = inner_phase(self.model, self.optimizer, self.sampler, self.step, self.spec.inner.inner_steps,
-                             self.spec.inner)
-        self.step += result.steps
-        return result
+    def run_inner(self, phase: Phase, steps: int | None = None) -> InnerResult:
+        """Run `steps` more inner steps (default: the rest of the phase). Between steps, take the updates the
+        replica merged meanwhile (never waiting for any). The AdamW state carries over between phases (DiLoCo)."""
+        todo = self.spec.inner.inner_steps - phase.steps_done if steps is None else steps
+        t0 = time.perf_counter()
+        self.model.train()
+        for _ in range(todo):
+            if self.replica.version_vector != phase.version_vector:
+                self._rebase(phase)
+            x, y = self.sampler.batch(self.step)
+            phase.losses.append(inner_step(self.model, self.optimizer, x, y, self.step, self.spec.inner))
+            phase.samples += x.shape[0]
+            phase.steps_done += 1
+            self.step += 1
+        phase.compute_s += time.perf_counter() - t0
+        return phase.result()
+
+    def _rebase(self, phase: Phase) -> None:
+        """phi += theta_now - base: apply the remote updates merged since the last rebase to the local model."""
+        theta, vv = self.replica.snapshot()
+        load_flat_params(self.model, flat_params(self.model).add_(theta - phase.base))
+        phase.base, phase.version_vector = theta, vv
+        phase.rebases += 1
 
     def finish_phase(self, phase: Phase, result: InnerResult, swarm: SwarmView) -> OuterUpdate:
         """Pseudo-gradient -> outer update, signed, merged into our own replica; the caller publishes it."""
         phi = flat_params(self.model)
-        delta = pseudo_gradient(phase.theta0, phi)
+        delta = pseudo_gradient(phase.base, phi)
         payload, _ = outer_update(delta, self.outer_state, self.spec.outer, self.codec)
         tau = self.replica.version_vector.staleness(phase.version_vector)
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
@@ -106,16 +141,21 @@ class Learner:
         if outcome is not MergeOutcome.MERGED:  # our own next seq always merges; anything else is a bug
             raise RuntimeError(f"own update not merged: {outcome}")
         self.history.append({"step": self.step, "seq": update.seq, "tau": tau, "weight": weight,
-                             "loss": result.mean_loss, "compute_s": result.compute_s})
+                             "loss": result.mean_loss, "compute_s": result.compute_s, "rebases": phase.rebases})
         return update
 
-    def run_round(self, swarm: SwarmView) -> tuple[OuterUpdate, InnerResult]:
+    def run_round(self, exchange) -> tuple[OuterUpdate, InnerResult]:
+        """One whole round against an `Exchange` (net/exchange.py): train, sign, merge, publish."""
         phase = self.begin_phase()
         result = self.run_inner(phase)
-        return self.finish_phase(phase, result, swarm), result
+        update = self.finish_phase(phase, result, exchange.swarm_view())
+        exchange.publish(update)
+        return update, result
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Eval loss of the replica (not of phi). Call between phases: it reuses the local model."""
+        """Eval loss of the replica (not of phi), on a model of its own so it is safe mid-phase."""
+        if self._eval_model is None:
+            self._eval_model = build_model(self.spec.model, self.spec.seed)
         theta, _ = self.replica.snapshot()
-        load_flat_params(self.model, theta)
-        return evaluate(self.model, batches)
+        load_flat_params(self._eval_model, theta)
+        return evaluate(self._eval_model, batches)
