@@ -62,15 +62,20 @@ def exp_main(spec, base, seeds, corpus, log, curves):
         per_seed = ", ".join(f"{x:.4f}" for x in rows[m])
         print(f"| {m} | {per_seed} | {med:.4f} | {med / s - 1:+.2%} | {med / d - 1:+.2%} |")
     print(f"\nasync vs sync: {a / s - 1:+.2%} (target within 2%); async vs dp: {a / d - 1:+.2%} (target within 3%)")
+    return rows
 
 
-def exp_nesterov(spec, base, seeds, corpus, log, curves):
+def exp_nesterov(spec, base, seeds, corpus, log, curves, main_rows=None):
+    """The preset's outer step is Nesterov (0.7, 0.9): the main experiment's runs are reused for it."""
     print("\n| method | outer | eval loss per seed | median |\n|---|---|---|---|")
     for method in ("async", "sync"):
         for name, kw in (("Nesterov lr 0.7 mu 0.9", dict(outer_lr=0.7, momentum=0.9, nesterov=True)),
                          ("averaging (SGD lr 1)", dict(outer_lr=1.0, momentum=0.0))):
-            losses = [run(f"{method} {name} seed={seed}", with_outer(dataclasses.replace(spec, seed=seed), **kw),
-                          dataclasses.replace(base, method=method), corpus, log).eval_loss for seed in seeds]
+            if main_rows and name.startswith("Nesterov"):
+                losses = main_rows[method]
+            else:
+                losses = [run(f"{method} {name} seed={seed}", with_outer(dataclasses.replace(spec, seed=seed), **kw),
+                              dataclasses.replace(base, method=method), corpus, log).eval_loss for seed in seeds]
             print(f"| {method} | {name} | {', '.join(f'{x:.4f}' for x in losses)} | {statistics.median(losses):.4f} |")
 
 
@@ -135,10 +140,9 @@ def main() -> int:
           f"budget={base.total_steps} inner steps ({base.total_steps * spec.data.batch_size * spec.model.block_size} "
           f"tokens) seeds={seeds}\n`{' '.join(sys.argv)}`", flush=True)
     exps = args.experiments.split(",")
-    if "main" in exps:
-        exp_main(spec, base, seeds, corpus, log, curves)
+    main_rows = exp_main(spec, base, seeds, corpus, log, curves) if "main" in exps else None
     if "nesterov" in exps:
-        exp_nesterov(spec, base, seeds, corpus, log, curves)
+        exp_nesterov(spec, base, seeds, corpus, log, curves, main_rows)
     if "slow" in exps:
         exp_slow(spec, base, corpus, log, curves)
     if "codecs" in exps:
