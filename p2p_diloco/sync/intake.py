@@ -11,6 +11,7 @@ Every rejection is counted by reason; the counters are what `status` shows.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 
@@ -40,6 +41,7 @@ class Intake:
         self.codec: Codec = get_codec(spec.outer.codec, spec.outer.codec_block)
         self.max_bytes = max_update_bytes(spec, numel)
         self.counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()  # the network side receives from worker threads
         self._last_log: dict[tuple[str, str], float] = {}
         self._log_interval_s = log_interval_s
 
@@ -55,9 +57,10 @@ class Intake:
             return self._reject(reason, update.sender, f"codec={update.header.codec} numel={update.header.numel}"), None
         outcome, merged = self.replica.offer(update)
         # "merged" counts every merge this offer caused, buffered successors it released included.
-        self.counts["merged"] += len(merged)
-        if outcome is not MergeOutcome.MERGED:
-            self.counts[outcome.value] += 1
+        with self._counts_lock:
+            self.counts["merged"] += len(merged)
+            if outcome is not MergeOutcome.MERGED:
+                self.counts[outcome.value] += 1
         if outcome not in (MergeOutcome.MERGED, MergeOutcome.BUFFERED, MergeOutcome.DUPLICATE):
             self._log(outcome.value, update.sender, f"seq={update.seq}")
         return outcome.value, update
@@ -72,7 +75,8 @@ class Intake:
         return None
 
     def _reject(self, reason: str, sender: str, detail: str) -> str:
-        self.counts[reason] += 1
+        with self._counts_lock:
+            self.counts[reason] += 1
         self._log(reason, sender, detail)
         return reason
 

@@ -1,0 +1,402 @@
+"""Gossip: how signed outer updates spread through the swarm (DESIGN.md section 4, "Gossip").
+
+Protocol: two RPCs per run on the node's P2P replica; the caller's PeerID is authenticated by libp2p and never
+read from a payload.
+
+  announce  "p2p-diloco/<run_id>/announce"
+      request  = msgpack {"vv": {sender: seq}}        the announcer's version vector (<= MAX_VECTOR_BYTES)
+      response = b""                                  an ack: the work happens later, in a pull
+      If the announcer holds anything our replica lacks (`VersionVector.missing_from`), we schedule a pull
+      from it.
+
+  pull      "p2p-diloco/<run_id>/pull"
+      request  = msgpack {"vv": {sender: seq}, "limit": n}      the requester's version vector
+      response = a stream, each chunk one encoded update (`encode_update`, <= `Intake.max_bytes`): the updates
+                 the responder holds in its store with seq > vv[sender] (`UpdateStore.missing_for`), at most
+                 min(n, pull_max_updates), the lowest missing seq of every sender first.
+      A full batch means more may remain, so the requester pulls again (at most MAX_PULL_ROUNDS rounds).
+      The request also tells the responder what the requester holds: if that is anything the responder
+      lacks, the responder schedules a pull back, so every exchange runs both ways.
+
+Rules:
+  - Every received update goes through `Intake.receive` (size, signature, digest, layout, then the replica's
+    merge rule) in a worker thread; if it merged or was buffered, it goes into our store, to serve others.
+  - A pull that brought anything new is followed by an announce of our vector to `fanout` random peers other
+    than the source: each hop re-announces, which is what makes it gossip. Announces skip peers whose last
+    vector (from their announce or pull request; vectors only grow) already holds all of ours.
+  - At most one pull in flight per remote and `max_concurrent_pulls` in all; announces that arrive meanwhile
+    are folded into the remote's pending pull (their vectors merged), at most MAX_WANTED_PEERS of them.
+  - Anti-entropy: every `anti_entropy_s` (jittered +-50%), pull from one random peer whatever it holds.
+  - Every call has `rpc_timeout_s` (per response chunk for pulls). A failure is counted and logged at most
+    once per peer per `log_interval_s`; nothing waits for the whole swarm (announces are bounded tasks).
+
+Threading: everything here runs on one asyncio loop, which owns the `UpdateStore` (not thread-safe). Only
+`Intake.receive` runs in worker threads (the replica has its own lock). The compute thread hands its own
+updates over with `asyncio.run_coroutine_threadsafe(gossip.publish(update), loop)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from p2p_diloco.net import rpc
+from p2p_diloco.net.node import SwarmNode
+from p2p_diloco.sync.intake import Intake
+from p2p_diloco.sync.replica import MergeOutcome
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.wire.envelope import OuterUpdate, encode_update
+
+logger = logging.getLogger(__name__)
+
+MAX_VECTOR_BYTES = 1 << 20
+"""Bound on an encoded announce or pull request (~15k senders of 52-character PeerIDs)."""
+MAX_PULL_ROUNDS = 64
+"""Pulls from one remote in a row, at most (each of up to pull_max_updates updates)."""
+MAX_WANTED_PEERS = 1024
+"""Remotes waiting for a pull slot, at most; the oldest wish is dropped (anti-entropy repairs it)."""
+MAX_ANNOUNCE_TASKS = 64
+"""Announces in flight, at most; more are dropped and counted."""
+MAX_CONCURRENT_ANNOUNCES_SERVED = 64
+"""Incoming announces handled at once (each is tiny; more are refused as busy)."""
+# Outcomes after which we hold the update (merged, or waiting for its gap), so we keep it to serve others.
+_KEPT = (MergeOutcome.MERGED.value, MergeOutcome.BUFFERED.value)
+_STATS = ("published", "bytes_sent", "bytes_received", "announces_sent", "announces_received", "announce_failures",
+          "announces_dropped", "pulls", "pull_failures", "pulls_served", "pulls_dropped", "updates_received",
+          "updates_new", "bad_requests")
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """How updates spread: fanout, anti-entropy period, pull sizes and timeouts."""
+
+    fanout: int = 3
+    """Random peers to announce to after publishing, and after a pull that brought anything new."""
+    anti_entropy_s: float = 5.0
+    """Mean seconds between anti-entropy pulls from one random peer (jittered +-50%)."""
+    pull_max_updates: int = 32
+    """Most updates in one pull response (asked for and served); a full batch makes the requester pull again."""
+    rpc_timeout_s: float = 10.0
+    """Timeout of each call, and of each chunk of a pull response, in seconds."""
+    retained_bytes: int = 512 << 20
+    """Bytes of recent updates kept to serve pulls: build the store as `UpdateStore(config.retained_bytes)`."""
+    max_concurrent_pulls: int = 4
+    """Pulls in flight at once, at most one per remote."""
+    max_concurrent_serves: int = 8
+    """Pull requests served at once; more are refused as busy (the requester tries again later)."""
+    log_interval_s: float = 30.0
+    """A failing peer is logged at most once per this many seconds (every failure is counted in `stats`)."""
+
+    def validate(self) -> GossipConfig:
+        if self.fanout < 1 or self.pull_max_updates < 1 or self.max_concurrent_pulls < 1 \
+                or self.max_concurrent_serves < 1:
+            raise ValueError("fanout, pull_max_updates, max_concurrent_pulls and max_concurrent_serves must be >= 1")
+        if not (self.anti_entropy_s > 0 and self.rpc_timeout_s > 0 and self.log_interval_s >= 0):
+            raise ValueError("anti_entropy_s and rpc_timeout_s must be > 0, log_interval_s >= 0")
+        if self.retained_bytes < 0:
+            raise ValueError(f"retained_bytes must be >= 0, got {self.retained_bytes}")
+        return self
+
+
+def encode_request(vv: VersionVector, limit: int | None = None) -> bytes:
+    """An announce (no limit) or a pull request (with the most updates we want back)."""
+    message: dict[str, Any] = {"vv": vv.to_dict()}
+    if limit is not None:
+        message["limit"] = limit
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode_request(data: bytes, *, pull: bool) -> tuple[VersionVector, int]:
+    """Parse an announce or pull request from a remote; rpc.RpcError (sent back to it) if malformed."""
+    try:
+        if len(data) > MAX_VECTOR_BYTES:
+            raise ValueError(f"{len(data)} bytes, limit {MAX_VECTOR_BYTES}")
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=0,
+                                  max_array_len=0)
+        if not isinstance(message, dict) or set(message) != ({"vv", "limit"} if pull else {"vv"}):
+            raise ValueError("expected a map with keys " + ("vv, limit" if pull else "vv"))
+        vv = VersionVector.from_dict(message["vv"])
+        limit = message.get("limit", 0)
+        if type(limit) is not int or (pull and limit < 1):
+            raise ValueError(f"limit must be an int >= 1, got {limit!r:.40}")
+    except Exception as e:  # msgpack raises a zoo of types on garbage; a remote must never crash us
+        raise rpc.RpcError(f"malformed {'pull' if pull else 'announce'} request: {e}") from None
+    return vv, limit
+
+
+class Gossip:
+    """Announce, pull and anti-entropy for one run on one SwarmNode. `await start()`; always `await stop()`."""
+
+    def __init__(self, node: SwarmNode, run_id: str, intake: Intake, store: UpdateStore, config: GossipConfig,
+                 peers: Callable[[], Sequence[str]]):
+        """`peers` returns the live peer ids of the run (e.g. from the DHT records); ours is filtered out."""
+        self.node = node
+        self.run_id = run_id
+        self.intake = intake
+        self.store = store
+        self.config = config.validate()
+        self.announce_name = f"p2p-diloco/{run_id}/announce"
+        self.pull_name = f"p2p-diloco/{run_id}/pull"
+        self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
+        self.rpc_stats: dict[str, rpc.RpcStats] = {}
+        self._peers = peers
+        self._rng = random.Random()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
+        self._anti_entropy: asyncio.Task | None = None
+        self._pulls: dict[str, asyncio.Task] = {}  # remote -> its pull task
+        # remote -> (what it announced it holds, pull even if that looks like nothing new); oldest first
+        self._wanted: OrderedDict[str, tuple[VersionVector, bool]] = OrderedDict()
+        self._announces: set[asyncio.Task] = set()
+        self._known: OrderedDict[str, VersionVector] = OrderedDict()  # remote -> the last vector it sent us
+        self._failure_logged_at: dict[str, float] = {}
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve the announce and pull RPCs and start anti-entropy."""
+        if self._loop is not None:
+            raise RuntimeError("Gossip.start called twice")
+        self._loop = asyncio.get_running_loop()
+        p2p, timeout_s = self.node.p2p, self.config.rpc_timeout_s
+        self.rpc_stats["announce"] = await rpc.serve(
+            p2p, self.announce_name, self.rpc_announce, max_request_bytes=MAX_VECTOR_BYTES, timeout_s=timeout_s,
+            max_concurrent=MAX_CONCURRENT_ANNOUNCES_SERVED)
+        try:
+            self.rpc_stats["pull"] = await rpc.serve(
+                p2p, self.pull_name, self.rpc_pull, max_request_bytes=MAX_VECTOR_BYTES, timeout_s=timeout_s,
+                max_concurrent=self.config.max_concurrent_serves)
+        except BaseException:
+            await rpc.unserve(p2p, self.announce_name)
+            raise
+        self._running = True
+        self._anti_entropy = asyncio.create_task(self._anti_entropy_loop(), name=f"anti-entropy:{self.run_id}")
+        logger.info("gossip started run_id=%s peer_id=%s fanout=%d anti_entropy_s=%g", self.run_id,
+                    self.node.peer_id, self.config.fanout, self.config.anti_entropy_s)
+
+    async def stop(self) -> None:
+        """Cancel every task and stop serving; bounded by about 2 * rpc_timeout_s. Idempotent."""
+        self._running = False
+        tasks = [t for t in (self._anti_entropy, *self._pulls.values(), *self._announces) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.config.rpc_timeout_s)
+        self._anti_entropy = None
+        self._wanted.clear()
+        self._known.clear()
+        for name in (self.announce_name, self.pull_name):
+            try:
+                await asyncio.wait_for(rpc.unserve(self.node.p2p, name), self.config.rpc_timeout_s / 2)
+            except Exception as e:  # e.g. the node is already shut down
+                logger.debug("gossip unserve failed name=%s error=%r", name, e)
+        logger.info("gossip stopped run_id=%s peer_id=%s stats=%s", self.run_id, self.node.peer_id, self.stats)
+
+    async def publish(self, update: OuterUpdate) -> None:
+        """Keep our own update to serve pulls, and announce it to `fanout` random peers (without waiting for them).
+
+        Merge it into our replica first (`Learner.finish_phase` does): the vector we announce must name it.
+        Call on the gossip's loop, e.g. `asyncio.run_coroutine_threadsafe(gossip.publish(u), loop)`.
+        """
+        if asyncio.get_running_loop() is not self._loop or not self._running:
+            raise RuntimeError("publish needs a started Gossip, on its own event loop")
+        if self.intake.replica.version_vector.get(update.sender) < update.seq:
+            logger.warning("publishing an update our replica has not merged sender=%s seq=%d", update.sender,
+                           update.seq)
+        self.store.add(update)
+        self.stats["published"] += 1
+        self._announce()
+
+    async def request_pull(self, peer: str) -> None:
+        """Pull from `peer` soon, whatever it holds (e.g. from the donor right after a state sync, so the joiner
+        need not wait for anti-entropy). Returns at once; failures are counted like any pull's."""
+        if asyncio.get_running_loop() is not self._loop or not self._running:
+            raise RuntimeError("request_pull needs a started Gossip, on its own event loop")
+        if peer != self.node.peer_id:
+            self._want_pull(peer, VersionVector(), force=True)
+
+    # ---- serving (on the loop; read-only on the store) ------------------------------------------------------
+
+    async def rpc_announce(self, request: bytes, caller: str) -> bytes:
+        self.stats["announces_received"] += 1
+        self.stats["bytes_received"] += len(request)
+        remote, _ = self._decode(request, pull=False)
+        self._consider(caller, remote)
+        return b""
+
+    async def rpc_pull(self, request: bytes, caller: str) -> AsyncIterator[bytes]:
+        self.stats["pulls_served"] += 1
+        self.stats["bytes_received"] += len(request)
+        remote, limit = self._decode(request, pull=True)
+        self._consider(caller, remote)  # the requester may hold what we lack: pull back
+        return self._encoded(self.store.missing_for(remote, min(limit, self.config.pull_max_updates)))
+
+    def _decode(self, request: bytes, *, pull: bool) -> tuple[VersionVector, int]:
+        try:
+            return decode_request(request, pull=pull)
+        except rpc.RpcError:
+            self.stats["bad_requests"] += 1
+            raise
+
+    async def _encoded(self, updates: list) -> AsyncIterator[bytes]:
+        for update in updates:
+            data = encode_update(update)
+            self.stats["bytes_sent"] += len(data)
+            yield data
+
+    # ---- pulling ------------------------------------------------------------------------------------------
+
+    def _consider(self, peer: str, remote: VersionVector) -> None:
+        """`peer` holds `remote`: schedule a pull if it has anything our replica lacks."""
+        self._known.pop(peer, None)
+        self._known[peer] = remote  # replaced, not merged: a peer restarted from a checkpoint may hold less
+        while len(self._known) > MAX_WANTED_PEERS:
+            self._known.popitem(last=False)
+        if self._running and peer != self.node.peer_id and self._vector().missing_from(remote):
+            self._want_pull(peer, remote, force=False)
+
+    def _want_pull(self, peer: str, remote: VersionVector, *, force: bool) -> None:
+        pending = self._wanted.pop(peer, None)
+        if pending is not None:
+            remote, force = pending[0].merge(remote), force or pending[1]
+        self._wanted[peer] = (remote, force)
+        while len(self._wanted) > MAX_WANTED_PEERS:
+            self._wanted.popitem(last=False)
+            self.stats["pulls_dropped"] += 1
+        self._start_pulls()
+
+    def _start_pulls(self) -> None:
+        if not self._running:
+            return
+        for peer in list(self._wanted):
+            if len(self._pulls) >= self.config.max_concurrent_pulls:
+                return
+            if peer not in self._pulls:
+                self._pulls[peer] = asyncio.create_task(self._pull_from(peer), name=f"pull:{peer[-8:]}")
+
+    async def _pull_from(self, peer: str) -> None:
+        """Pull from `peer` while it has something for us (pending wishes folded in), then re-announce."""
+        brought = 0
+        try:
+            while self._running and peer in self._wanted:
+                remote, force = self._wanted.pop(peer)
+                for _ in range(MAX_PULL_ROUNDS):
+                    if not (force or self._vector().missing_from(remote)):
+                        break
+                    received, new = await self._pull_once(peer)
+                    brought += new
+                    if new == 0:  # nothing usable (e.g. it lacks the seq that fills our gap): stop asking
+                        break
+                    force = received >= self.config.pull_max_updates  # a full batch: more may remain
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # RpcError, or anything else a remote could provoke: count it, never crash
+            self._wanted.pop(peer, None)
+            self.stats["pull_failures"] += 1
+            self._log_failure(peer, "pull", e)
+        finally:
+            self._pulls.pop(peer, None)
+            if brought and self._running:
+                self._announce(exclude=(peer,))
+            self._start_pulls()
+
+    async def _pull_once(self, peer: str) -> tuple[int, int]:
+        """One pull request; returns (updates received, updates new to us)."""
+        limit = self.config.pull_max_updates
+        request = encode_request(self._vector(), limit)
+        self.stats["pulls"] += 1
+        self.stats["bytes_sent"] += len(request)
+        max_bytes = self.intake.max_bytes
+        stream = rpc.call_stream(self.node.p2p, peer, self.pull_name, request, max_chunk_bytes=max_bytes,
+                                 max_total_bytes=limit * max_bytes, timeout_s=self.config.rpc_timeout_s)
+        received = new = 0
+        async with contextlib.aclosing(stream):
+            async for data in stream:
+                received += 1
+                self.stats["updates_received"] += 1
+                self.stats["bytes_received"] += len(data)
+                if received > limit:
+                    raise rpc.RpcError(f"peer {peer} sent more than the {limit} updates asked for")
+                # Decompression and the merge are CPU work: off the loop. The store stays on the loop.
+                outcome, update = await asyncio.to_thread(self.intake.receive, data, source=peer)
+                if update is not None and outcome in _KEPT:
+                    self.store.add(update)
+                    new += 1
+        self.stats["updates_new"] += new
+        return received, new
+
+    # ---- announcing and anti-entropy ----------------------------------------------------------------------
+
+    def _announce(self, exclude: Iterable[str] = ()) -> None:
+        """Send our vector to `fanout` random peers that may lack part of it, each in its own bounded task."""
+        ours = self._vector()
+        satisfied = [peer for peer, theirs in self._known.items() if theirs.dominates(ours)]
+        targets = self._pick(self.config.fanout, (*exclude, *satisfied))
+        if not targets:
+            return
+        request = encode_request(ours)
+        for peer in targets:
+            if len(self._announces) >= MAX_ANNOUNCE_TASKS:
+                self.stats["announces_dropped"] += 1
+                continue
+            task = asyncio.create_task(self._announce_to(peer, request), name=f"announce:{peer[-8:]}")
+            self._announces.add(task)
+            task.add_done_callback(self._announces.discard)
+
+    async def _announce_to(self, peer: str, request: bytes) -> None:
+        try:
+            await rpc.call(self.node.p2p, peer, self.announce_name, request, max_response_bytes=16,
+                           timeout_s=self.config.rpc_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.stats["announce_failures"] += 1
+            self._log_failure(peer, "announce", e)
+            return
+        self.stats["announces_sent"] += 1
+        self.stats["bytes_sent"] += len(request)
+
+    async def _anti_entropy_loop(self) -> None:
+        while self._running:
+            await asyncio.sleep(self.config.anti_entropy_s * self._rng.uniform(0.5, 1.5))
+            try:
+                targets = self._pick(1, ())
+                if targets:
+                    self._want_pull(targets[0], VersionVector(), force=True)
+            except Exception:  # a bug here must not silently end anti-entropy
+                logger.exception("anti-entropy round failed run_id=%s", self.run_id)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+
+    def _vector(self) -> VersionVector:
+        # Vectors are immutable and swapped whole by the replica: reading one needs no lock.
+        return self.intake.replica.version_vector
+
+    def _pick(self, k: int, exclude: Iterable[str]) -> list[str]:
+        try:
+            peers = list(dict.fromkeys(self._peers()))
+        except Exception:
+            logger.exception("the peers callback failed run_id=%s", self.run_id)
+            return []
+        skip = {self.node.peer_id, *exclude}
+        candidates = [p for p in peers if isinstance(p, str) and p not in skip]
+        return self._rng.sample(candidates, min(k, len(candidates)))
+
+    def _log_failure(self, peer: str, what: str, error: BaseException) -> None:
+        now = time.monotonic()
+        if len(self._failure_logged_at) > MAX_WANTED_PEERS:
+            self._failure_logged_at.clear()
+        if now - self._failure_logged_at.get(peer, -1e18) >= self.config.log_interval_s:
+            self._failure_logged_at[peer] = now
+            logger.warning("gossip %s failed peer=%s error=%s (further failures of this peer counted, logged "
+                           "again after %gs)", what, peer, error, self.config.log_interval_s)

@@ -1,0 +1,361 @@
+"""Gossip on real SwarmNodes (127.0.0.1, port 0): announce + pull, anti-entropy, buffering, failing peers.
+
+Nodes start once per module on one event loop in a background thread; each test starts its own Gossip
+instances on them and stops them in `finally`. The standard assertion: replicas that hold the same updates
+are equal (DESIGN.md section 7), and equal to merging each update exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from p2p_diloco.config import preset
+from p2p_diloco.net import rpc
+from p2p_diloco.net.gossip import Gossip, GossipConfig, decode_request, encode_request
+from p2p_diloco.net.node import NodeConfig, SwarmNode
+from p2p_diloco.sync.intake import Intake
+from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.wire.codecs import get_codec
+from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
+from p2p_diloco.wire.identity import Identity
+
+pytestmark = pytest.mark.timeout(120)
+
+SPEC = dataclasses.replace(preset("test"), run_id="gossip-test")
+NUMEL = 2000
+CODEC = get_codec(SPEC.outer.codec, SPEC.outer.codec_block)
+QUIET = 3600.0  # anti_entropy_s that never fires within a test
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; `run` submits a coroutine and waits for its result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-gossip-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        async def cancel_leftovers() -> None:  # e.g. the server side of the deliberately hanging handlers
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+            await self.loop.shutdown_asyncgens()
+
+        self.run(cancel_leftovers(), timeout_s=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@dataclasses.dataclass
+class Member:
+    node: SwarmNode
+    identity: Identity
+
+
+@dataclasses.dataclass
+class Peer:
+    """One learner unit's network side: replica, intake, store and gossip on a node."""
+
+    node: SwarmNode
+    identity: Identity
+    replica: Replica
+    intake: Intake
+    store: UpdateStore
+    gossip: Gossip
+    view: list[str]  # what its `peers` callback returns; tests edit it
+
+    @property
+    def vv(self) -> VersionVector:
+        return self.replica.version_vector
+
+
+async def _start_node(tmp_path_factory, initial_peers: tuple[str, ...]) -> Member:
+    identity = Identity.generate()
+    path = str(tmp_path_factory.mktemp("keys") / "node.key")
+    identity.save(path)
+    config = NodeConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial_peers, start_timeout_s=30)
+    return Member(await SwarmNode.start(path, config), identity)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    try:
+        yield lt
+    finally:
+        lt.close()
+
+
+@pytest.fixture(scope="module")
+def members(loop, tmp_path_factory):
+    """Three nodes: A first, B and C bootstrapped from A."""
+    out: list[Member] = []
+    try:
+        for _ in range(3):
+            out.append(loop.run(_start_node(tmp_path_factory, tuple(out[0].node.visible_maddrs()) if out else ())))
+        yield out
+    finally:
+        for m in out:
+            loop.run(m.node.shutdown(), timeout_s=30)
+
+
+def _decode(update: Any) -> torch.Tensor:
+    return CODEC.decompress(update.payload, update.header.numel)
+
+
+def _replica() -> Replica:
+    return Replica(torch.linspace(-1.0, 1.0, NUMEL), outer_lr=SPEC.outer.outer_lr, max_weight=SPEC.outer.max_weight,
+                   decode=_decode)
+
+
+def _updates(identity: Identity, count: int, seed: int) -> list[OuterUpdate]:
+    """`count` consecutive signed updates of `identity`, as a learner would make them."""
+    generator = torch.Generator().manual_seed(seed)
+    return [make_update(run_id=SPEC.run_id, spec_hash=SPEC.spec_hash(), seq=seq, tau=0, samples=8, weight=0.5,
+                        codec=CODEC.name, numel=NUMEL, identity=identity,
+                        payload=CODEC.compress(0.01 * torch.randn(NUMEL, generator=generator)))
+            for seq in range(1, count + 1)]
+
+
+def _reference(updates: list[OuterUpdate]) -> Replica:
+    """Every update merged exactly once, in seq order, into a fresh replica."""
+    replica = _replica()
+    for update in sorted(updates, key=lambda u: (u.sender, u.seq)):
+        replica.offer(update)
+    return replica
+
+
+@contextlib.contextmanager
+def gossiping(loop: LoopThread, members: list[Member], *configs: GossipConfig) -> Iterator[list[Peer]]:
+    """A started Gossip on each member (config i for member i, the last one repeated); all stopped in finally."""
+    peers: list[Peer] = []
+    everyone = [m.node.peer_id for m in members]
+    try:
+        for i, member in enumerate(members):
+            config = configs[min(i, len(configs) - 1)]
+            replica = _replica()
+            intake = Intake(SPEC, NUMEL, replica)
+            store = UpdateStore(config.retained_bytes)
+            view = list(everyone)
+            gossip = Gossip(member.node, SPEC.run_id, intake, store, config, peers=lambda v=view: v)
+            peers.append(Peer(member.node, member.identity, replica, intake, store, gossip, view))
+            loop.run(gossip.start())
+        yield peers
+    finally:
+        for peer in peers:
+            loop.run(peer.gossip.stop(), timeout_s=30)
+
+
+def publish(loop: LoopThread, peer: Peer, update: OuterUpdate) -> None:
+    """What the learner does: merge our own update, then hand it to gossip on the loop."""
+    outcome, _ = peer.replica.offer(update)
+    assert outcome.value == "merged"
+    loop.run(peer.gossip.publish(update))
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def assert_replicas_agree(peers: list[Peer], updates: list[OuterUpdate]) -> None:
+    reference = _reference(updates)
+    for peer in peers:
+        assert peer.vv == reference.version_vector
+        assert peer.replica.stats["merged"] == len(updates)  # each update merged once, none twice
+        torch.testing.assert_close(peer.replica.theta, reference.theta, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def test_updates_reach_every_peer_by_announce_and_pull(loop, members) -> None:
+    config = GossipConfig(fanout=2, anti_entropy_s=QUIET, rpc_timeout_s=5)
+    with gossiping(loop, members, config) as peers:
+        updates = {p.node.peer_id: _updates(p.identity, 3, seed=i) for i, p in enumerate(peers)}
+        latencies = []
+        for seq in range(3):
+            for peer in peers:
+                update = updates[peer.node.peer_id][seq]
+                publish(loop, peer, update)
+                latencies.append(wait_until(lambda u=update: all(q.vv.get(u.sender) >= u.seq for q in peers),
+                                            10, "one update to reach every peer"))
+        everything = [u for us in updates.values() for u in us]
+        wait_until(lambda: all(p.vv.total() == len(everything) for p in peers), 10, "all updates everywhere")
+        assert_replicas_agree(peers, everything)
+        for peer in peers:
+            stats = peer.gossip.stats
+            assert stats["announces_received"] > 0 and stats["pulls"] > 0 and stats["pull_failures"] == 0
+            assert stats["updates_new"] == len(everything) - 3  # the others' updates; ours were published
+            assert len(peer.store) == len(everything)  # every peer can serve every update
+        print(f"gossip latency to 2 peers: median {sorted(latencies)[len(latencies) // 2] * 1e3:.1f} ms, "
+              f"max {max(latencies) * 1e3:.1f} ms")
+
+
+def test_anti_entropy_reaches_a_peer_nobody_announces_to(loop, members) -> None:
+    quiet = GossipConfig(fanout=3, anti_entropy_s=QUIET, rpc_timeout_s=5)
+    eager = dataclasses.replace(quiet, anti_entropy_s=0.2)
+    with gossiping(loop, members, quiet, quiet, eager) as peers:
+        a, b, c = peers
+        a.view[:] = [b.node.peer_id]  # A and B know only each other: nobody ever announces to C
+        b.view[:] = [a.node.peer_id]
+        everything = _updates(a.identity, 3, seed=10) + _updates(b.identity, 2, seed=11)
+        for update in everything:
+            publish(loop, a if update.sender == a.node.peer_id else b, update)
+        wait_until(lambda: all(p.vv.total() == len(everything) for p in peers), 15, "C to catch up")
+        assert_replicas_agree(peers, everything)
+        assert c.gossip.stats["announces_received"] == 0
+        assert c.gossip.stats["updates_new"] == len(everything)
+
+
+def test_request_pull_catches_up_at_once(loop, members) -> None:
+    """What a joiner does right after state sync: pull from the donor without waiting for anti-entropy."""
+    config = GossipConfig(fanout=3, anti_entropy_s=QUIET, rpc_timeout_s=5)
+    with gossiping(loop, members[:2], config) as (a, b):
+        a.view[:] = []  # A announces to nobody
+        everything = _updates(a.identity, 4, seed=12)
+        for update in everything:
+            publish(loop, a, update)
+        time.sleep(0.2)
+        assert b.vv.total() == 0
+        loop.run(b.gossip.request_pull(a.node.peer_id))
+        wait_until(lambda: b.vv.total() == len(everything), 5, "B to pull A's updates")
+        assert_replicas_agree([a, b], everything)
+
+
+def test_out_of_order_updates_are_buffered_then_released(loop, members) -> None:
+    config = GossipConfig(anti_entropy_s=0.1, rpc_timeout_s=5, pull_max_updates=8)
+    with gossiping(loop, members[:2], config) as (a, b):
+        u1, u2, u3 = _updates(a.identity, 3, seed=20)
+
+        async def hold(*updates: OuterUpdate) -> None:  # the store belongs to the loop: touch it there
+            for u in updates:
+                a.store.add(u)
+
+        loop.run(hold(u3, u2))  # A can serve seq 2 and 3 but not yet seq 1
+        wait_until(lambda: b.replica.n_buffered == 2, 10, "B to buffer seq 2 and 3")
+        assert b.vv.get(a.node.peer_id) == 0
+        wait_until(lambda: b.replica.stats["duplicate"] > 0, 10, "a pull that re-sends the buffered updates")
+        loop.run(hold(u1))
+        wait_until(lambda: b.vv.get(a.node.peer_id) == 3, 10, "seq 1 to release seq 2 and 3")
+        assert b.replica.n_buffered == 0 and b.intake.counts["buffered"] == 2
+        # Duplicates arrived (every anti-entropy pull re-sent the buffered updates) and none merged twice.
+        assert b.replica.stats["merged"] == 3 and b.replica.stats["duplicate"] >= 2
+        torch.testing.assert_close(b.replica.theta, _reference([u1, u2, u3]).theta, rtol=0, atol=1e-6)
+        # Publishing an update again changes nothing anywhere.
+        for u in (u1, u2, u3):
+            a.replica.offer(u)
+        loop.run(a.gossip.publish(u1))
+        time.sleep(0.3)
+        assert b.replica.stats["merged"] == 3 and len(a.store) == 3
+
+
+def _pull_failures(peers: list[Peer]) -> int:
+    return sum(p.gossip.stats["pull_failures"] for p in peers)
+
+
+def test_a_hung_then_vanished_peer_does_not_stall_gossip(loop, members, tmp_path_factory) -> None:
+    """D first accepts calls and never answers (pulls to it time out), then shuts down (calls fail fast)."""
+    d = loop.run(_start_node(tmp_path_factory, tuple(members[0].node.visible_maddrs())))
+    release = asyncio.Event()
+
+    async def hang(request: bytes, caller: str) -> bytes:
+        await release.wait()
+        return b""
+
+    try:
+        for name in ("announce", "pull"):
+            loop.run(rpc.serve(d.node.p2p, f"p2p-diloco/{SPEC.run_id}/{name}", hang, max_request_bytes=1 << 20,
+                               timeout_s=3600))
+        config = GossipConfig(fanout=3, anti_entropy_s=0.2, rpc_timeout_s=2.0)
+        with gossiping(loop, members, config) as peers:
+            for peer in peers:
+                peer.view.append(d.node.peer_id)
+            sent: list[OuterUpdate] = []
+            for phase in ("hung", "gone"):
+                if phase == "gone":
+                    loop.run(d.node.shutdown(), timeout_s=30)
+                for i, peer in enumerate(peers):
+                    update = _updates(peer.identity, 2, seed=30 + i)[len(sent) // 3]
+                    publish(loop, peer, update)
+                    sent.append(update)
+                    # D sits in every fanout (3 of 3 others), yet the live peers get it at once.
+                    took = wait_until(lambda u=update: all(q.vv.get(u.sender) >= u.seq for q in peers), 5,
+                                      f"an update to reach the live peers while D is {phase}")
+                    assert took < config.rpc_timeout_s
+                before = _pull_failures(peers)
+                wait_until(lambda b=before: _pull_failures(peers) > b, 10,
+                           f"anti-entropy pulls from the {phase} D to fail")
+            assert_replicas_agree(peers, sent)
+            assert sum(p.gossip.stats["announce_failures"] for p in peers) >= 3
+    finally:
+        loop.loop.call_soon_threadsafe(release.set)  # let D's hanging handlers end before the loop closes
+        loop.run(d.node.shutdown(), timeout_s=30)
+
+
+def test_hostile_requests_and_responses_are_refused(loop, members) -> None:
+    config = GossipConfig(anti_entropy_s=QUIET, rpc_timeout_s=5)
+    a_member, b_member = members[:2]
+    with gossiping(loop, [a_member], config) as (a,):
+        name = f"p2p-diloco/{SPEC.run_id}/announce"
+        for garbage in (b"\xc1", b"\x80", encode_request(VersionVector(), limit=3),
+                        encode_request(VersionVector())[:-1] + b"\x01"):
+            with pytest.raises(rpc.RpcRemoteError, match="malformed announce request"):
+                loop.run(rpc.call(b_member.node.p2p, a.node.peer_id, name, garbage, max_response_bytes=16,
+                                  timeout_s=5))
+        assert a.gossip.stats["bad_requests"] == 4
+
+    # B serves junk on the pull RPC: a wrong-run update, garbage, and a good update; A keeps only the good one.
+    good = _updates(b_member.identity, 1, seed=40)[0]
+    wrong_run = make_update(run_id="other-run", spec_hash=SPEC.spec_hash(), seq=1, tau=0, samples=1, weight=0.5,
+                            codec=CODEC.name, numel=NUMEL, identity=b_member.identity, payload=good.payload)
+
+    async def junk(request: bytes, caller: str):
+        decode_request(request, pull=True)
+        for data in (encode_update(wrong_run), b"garbage", encode_update(good)):
+            yield data
+
+    pull_name = f"p2p-diloco/{SPEC.run_id}/pull"
+    loop.run(rpc.serve(b_member.node.p2p, pull_name, junk, max_request_bytes=1 << 20, timeout_s=5))
+    try:
+        with gossiping(loop, [a_member], dataclasses.replace(config, anti_entropy_s=0.1)) as (a,):
+            a.view[:] = [b_member.node.peer_id]
+            wait_until(lambda: a.vv.get(b_member.node.peer_id) == 1, 10, "A to merge B's good update")
+            assert a.intake.counts["wrong_run"] >= 1 and a.intake.counts["malformed"] >= 1
+            assert len(a.store) == 1 and a.store.has(good.sender, 1)
+    finally:
+        loop.run(rpc.unserve(b_member.node.p2p, pull_name))
+
+
+def test_request_codec_round_trip_and_bounds() -> None:
+    vv = VersionVector({Identity.generate().peer_id: 3, Identity.generate().peer_id: 1})
+    assert decode_request(encode_request(vv, limit=7), pull=True) == (vv, 7)
+    assert decode_request(encode_request(vv), pull=False)[0] == vv
+    for bad, pull in ((encode_request(vv), True), (encode_request(vv, limit=0), True),
+                      (encode_request(vv, limit=2), False), (b"\x00" * (2 << 20), False)):
+        with pytest.raises(rpc.RpcError, match="malformed"):
+            decode_request(bad, pull=pull)
+    with pytest.raises(ValueError):
+        GossipConfig(fanout=0).validate()
