@@ -186,4 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Re-import by package name: run as `python -m p2p_diloco.cli` this file is `__main__`, and its CliError
+    # would be a different class from the one the other modules raise.
+    from p2p_diloco.cli import main as package_main
+
+    sys.exit(package_main())

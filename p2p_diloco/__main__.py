@@ -1,0 +1,7 @@
+"""`python -m p2p_diloco` runs the CLI."""
+
+import sys
+
+from p2p_diloco.cli import main
+
+sys.exit(main())

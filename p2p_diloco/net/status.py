@@ -1,0 +1,154 @@
+"""What a peer tells the swarm about itself, and how we read and show it.
+
+A peer's DHT record (signed, expiring: see `discovery`) carries these fields besides those `announce_peer`
+fills in (peer_id, run_id, updated_at, expiration_time):
+
+    maddrs                  where to dial it
+    state                   "syncing" (joining) | "training" | "done" (finished its rounds, lingering) |
+                            "left" (shut down cleanly)
+    version_vector_total    updates merged into its replica (sum of its version vector)
+    vv_digest               first 16 hex chars of its version vector's digest: equal digests, equal replicas
+    seq                     its own last published seq
+    round, step             outer rounds and cumulative inner steps done
+    loss, eval_loss         last inner-phase mean train loss; last eval loss (None before the first)
+    samples_per_s           training throughput over its last round (wall clock)
+    samples_per_update      samples in one of its updates (H * batch_size)
+    tau                     staleness of its last update
+    shard, corpus           data shard and corpus fingerprint (peers on another corpus are flagged)
+
+Records come from the network: every reader treats every field as untrusted (`number`, `text`).
+
+What a peer writes for people and tests: one line per round (`round_line`), a JSON log (`JsonLog`, one object
+per event: start, sync, eval, round, linger, final) and its final state (`save_state`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def shard_for(peer_id: str, num_shards: int) -> int:
+    """The default data shard of a peer: int(sha256(peer_id)) mod num_shards (stable across restarts)."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest(), "big") % num_shards
+
+
+def number(record: Mapping[str, Any], key: str, default: float = 0.0) -> float:
+    """A finite number from an untrusted record, or `default`."""
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return default
+    return float(value)
+
+
+def text(record: Mapping[str, Any], key: str, limit: int = 64) -> str:
+    value = record.get(key)
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def live(records: Mapping[str, dict]) -> dict[str, dict]:
+    """Records of peers that have not announced that they left."""
+    return {pid: r for pid, r in records.items() if text(r, "state") != "left"}
+
+
+def is_quiet(records: Mapping[str, dict], self_id: str, digest: str) -> bool:
+    """True when every other live peer has finished its rounds and holds the same replica as we do (equal
+    version-vector digests): no update is in flight any more, so our replica is final."""
+    return all(text(r, "state") == "done" and text(r, "vv_digest") == digest
+               for pid, r in live(records).items() if pid != self_id)
+
+
+def swarm_samples_per_round(records: Mapping[str, dict], self_id: str, own_samples: float) -> tuple[int, float]:
+    """(num_peers, samples_per_round) for `SwarmView`: live peers plus us, summing their samples_per_update."""
+    peers = {pid: r for pid, r in live(records).items() if pid != self_id}
+    total = own_samples + sum(number(r, "samples_per_update", own_samples) for r in peers.values())
+    return len(peers) + 1, total
+
+
+def short_id(peer_id: str) -> str:
+    """The distinguishing tail of a PeerID (every Ed25519 PeerID starts with 12D3KooW)."""
+    return peer_id[-8:] if len(peer_id) > 8 else peer_id
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fmt(value: float | None, spec: str, empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def status_table(records: Mapping[str, dict], now: float | None = None) -> str:
+    """The `p2p-diloco status` table: one row per peer, freshest replica first."""
+    if now is None:
+        from hivemind.utils import get_dht_time  # hivemind is heavy; this module is imported by the CLI
+
+        now = get_dht_time()
+    header = ("peer", "state", "V", "seq", "round", "step", "samples/s", "loss", "eval", "tau", "age", "addrs")
+    rows = [header]
+    ordered = sorted(records.items(), key=lambda kv: -number(kv[1], "version_vector_total"))
+    for pid, r in ordered:
+        maddrs = r.get("maddrs") if isinstance(r.get("maddrs"), list) else []
+        addrs = ", ".join(str(m).split("/p2p/")[0] for m in maddrs[:2] if isinstance(m, str))
+        eval_loss = r.get("eval_loss")
+        rows.append((
+            pid, text(r, "state") or "?", str(int(number(r, "version_vector_total"))), str(int(number(r, "seq"))),
+            str(int(number(r, "round"))), str(int(number(r, "step"))), f"{number(r, 'samples_per_s'):.1f}",
+            _fmt(number(r, "loss", math.nan), ".3f") if r.get("loss") is not None else "-",
+            f"{number(r, 'eval_loss'):.3f}" if isinstance(eval_loss, (int, float)) else "-",
+            str(int(number(r, "tau"))), f"{max(0.0, now - number(r, 'updated_at', now)):.0f}s", addrs or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def round_line(stats: Mapping[str, Any]) -> str:
+    """The one line a peer prints per round."""
+    eval_loss = stats.get("eval_loss")
+    return (f"round {stats['round']:>4}  step {stats['step']:>6}  loss {stats['loss']:.3f}  "
+            f"eval {_fmt(eval_loss, '.3f', '  -  ')}  peers {stats['peers']}  tau {stats['tau']}  "
+            f"V {stats['vv_total']}  sent {fmt_bytes(stats['bytes_sent'])}  merged {stats['merged']}  "
+            f"rejected {stats['rejected']}  util {stats['utilization']:.0%}")
+
+
+class JsonLog:
+    """One JSON object per line, flushed at once (tests and the local-swarm example tail it)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = None
+        if path:
+            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(path).expanduser(), "a", encoding="utf-8")  # closed in close()
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def save_state(out_dir: str, theta: Any, version_vector: Any, extra: dict) -> tuple[Path, Path]:
+    """Write theta.pt and version_vector.json into `out_dir`, each atomically (temp file + rename)."""
+    import torch
+
+    folder = Path(out_dir).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    theta_path, vv_path = folder / "theta.pt", folder / "version_vector.json"
+    torch.save(theta, theta_path.with_suffix(".pt.tmp"))
+    os.replace(theta_path.with_suffix(".pt.tmp"), theta_path)
+    blob = {"version_vector": version_vector.to_dict(), "total": version_vector.total(),
+            "digest": version_vector.digest().hex(), **extra}
+    vv_path.with_suffix(".json.tmp").write_text(json.dumps(blob, indent=1))
+    os.replace(vv_path.with_suffix(".json.tmp"), vv_path)
+    return theta_path, vv_path
