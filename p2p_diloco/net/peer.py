@@ -345,7 +345,7 @@ class Peer:
                 "vv_total": vv.total(), "bytes_sent": counters.get("bytes_sent", 0),
                 "bytes_received": counters.get("bytes_received", 0), "merged": counters.get("merged", 0),
                 "rejected": counters.get("rejected", 0), "samples_per_s": samples_per_s, "round_s": round_s,
-                "utilization": self.compute_s / (time.monotonic() - self.t_start)}
+                "utilization": self.compute_s / (time.monotonic() - self.t_start), "compute_s": self.compute_s}
             network.local = {"state": "training", "round": self.round, "step": learner.step,
                              "loss": result.mean_loss, "eval_loss": self.eval_loss, "samples_per_s": samples_per_s,
                              "tau": update.header.tau}
