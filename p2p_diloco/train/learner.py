@@ -10,6 +10,11 @@
 The learner knows nothing about networks or clocks: the caller (the simulator, or the swarm's compute
 thread) decides when a phase begins and ends and where the update goes. Remote updates reach the replica
 through `Intake` on another thread; the replica's lock makes the merge and the snapshot atomic.
+
+Devices: phi, its AdamW state and the batches live on `device` (a GPU if the peer has one); theta, the version
+vector, the outer state and the codecs stay on the CPU in float32. That is the network-facing state: merged by
+another thread, and bit-identical on every peer whatever device it trains on. Crossing points: `begin_phase`
+and `_rebase` (CPU -> device) and `finish_phase` (device -> CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import MergeOutcome, Replica
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data import Corpus, ShardSampler, evaluate
+from p2p_diloco.train.device import resolve_device
 from p2p_diloco.train.inner import InnerResult, inner_step, make_inner_optimizer
 from p2p_diloco.train.model import build_model, flat_params, load_flat_params
 from p2p_diloco.train.outer import OuterState, outer_update, pseudo_gradient, update_weight
@@ -69,13 +75,17 @@ class Learner:
     """One learner unit. Not thread-safe itself; only the replica is shared with the network thread."""
 
     def __init__(self, spec: RunSpec, identity: Identity, corpus: Corpus, *, shard: int, num_shards: int,
-                 replica_state: tuple[torch.Tensor, VersionVector] | None = None):
+                 replica_state: tuple[torch.Tensor, VersionVector] | None = None, device: str = "cpu"):
         self.spec = spec.validate()
         self.identity = identity
         self.peer_id = identity.peer_id
+        self.device = resolve_device(device)
         torch.manual_seed(spec.seed)  # dropout and any other global-RNG use start from the run's seed
-        self.model = build_model(spec.model, spec.seed)
+        self.model = build_model(spec.model, spec.seed)  # on the CPU: the same theta on every peer
         theta = flat_params(self.model)
+        # float32 on the device too (no autocast): simple, and close to a CPU peer's numbers. bf16 autocast on
+        # GPUs is a later optimisation.
+        self.model.to(self.device)
         self.numel = theta.numel()
         self.codec = get_codec(spec.outer.codec, spec.outer.codec_block)
         self.replica = Replica(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight,
@@ -83,7 +93,7 @@ class Learner:
         if replica_state is not None:
             self.replica.load(*replica_state)
         self.intake = Intake(spec, self.numel, self.replica)
-        self.optimizer = make_inner_optimizer(self.model, spec.inner)
+        self.optimizer = make_inner_optimizer(self.model, spec.inner)  # after the move: AdamW state on the device
         self.outer_state = OuterState.zeros(self.numel)
         self.sampler = ShardSampler(corpus.train, shard=shard, num_shards=num_shards,
                                     block_size=spec.model.block_size, batch_size=spec.data.batch_size,
@@ -111,7 +121,7 @@ class Learner:
         for _ in range(todo):
             if self.replica.version_vector != phase.version_vector:
                 self._rebase(phase)
-            x, y = self.sampler.batch(self.step)
+            x, y = (t.to(self.device) for t in self.sampler.batch(self.step))  # CPU batches, to the model
             phase.losses.append(inner_step(self.model, self.optimizer, x, y, self.step, self.spec.inner))
             phase.samples += x.shape[0]
             phase.steps_done += 1
@@ -122,13 +132,14 @@ class Learner:
     def _rebase(self, phase: Phase) -> None:
         """phi += theta_now - base: apply the remote updates merged since the last rebase to the local model."""
         theta, vv = self.replica.snapshot()
-        load_flat_params(self.model, flat_params(self.model).add_(theta - phase.base))
+        moved = (theta - phase.base).to(self.device)  # the difference on the CPU, where theta lives
+        load_flat_params(self.model, flat_params(self.model).add_(moved))
         phase.base, phase.version_vector = theta, vv
         phase.rebases += 1
 
     def finish_phase(self, phase: Phase, result: InnerResult, swarm: SwarmView) -> OuterUpdate:
         """Pseudo-gradient -> outer update, signed, merged into our own replica; the caller publishes it."""
-        phi = flat_params(self.model)
+        phi = flat_params(self.model).cpu()  # the pseudo-gradient and all after it: CPU, float32
         delta = pseudo_gradient(phase.base, phi)
         payload, _ = outer_update(delta, self.outer_state, self.spec.outer, self.codec)
         tau = self.replica.version_vector.staleness(phase.version_vector)
@@ -153,9 +164,10 @@ class Learner:
         return update, result
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Eval loss of the replica (not of phi), on a model of its own so it is safe mid-phase."""
+        """Eval loss of the replica (not of phi), on a model of its own (on the device; `evaluate` moves the
+        batches there) so it is safe mid-phase."""
         if self._eval_model is None:
-            self._eval_model = build_model(self.spec.model, self.spec.seed)
+            self._eval_model = build_model(self.spec.model, self.spec.seed).to(self.device)
         theta, _ = self.replica.snapshot()
         load_flat_params(self._eval_model, theta)
         return evaluate(self._eval_model, batches)

@@ -136,14 +136,15 @@ def build_model(config: ModelConfig, seed: int) -> GPT:
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    """A 1-D float32 copy of every parameter, in `model.parameters()` order, on the parameters' device."""
+    """A 1-D float32 copy of every parameter, in `model.parameters()` order, on the parameters' device
+    (add `.cpu()` for the network-facing state of a model trained on a GPU)."""
     # torch.cat inside parameters_to_vector already copies; .float() is a no-op for fp32 models.
     return nn.utils.parameters_to_vector(p.detach() for p in model.parameters()).float()
 
 
 @torch.no_grad()
 def load_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat vector (as made by `flat_params`) into the parameters in place.
+    """Copy a flat vector (as made by `flat_params`, on any device) into the parameters in place.
 
     In place matters: nn.utils.vector_to_parameters rebinds `.data` to views of `flat`, which would
     detach the optimizer's state from the parameters and alias the caller's buffer.
@@ -155,6 +156,7 @@ def load_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
             f"flat parameter vector has shape {tuple(flat.shape)} ({flat.numel()} values) but the model has "
             f"{expected} parameters; was it made from a model with the same config?"
         )
+    flat = flat.to(params[0].device)  # one host-to-device copy, not one per parameter (no-op on the same device)
     offset = 0
     for p in params:
         n = p.numel()
