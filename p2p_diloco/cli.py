@@ -87,6 +87,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     spec = load_spec(args)
     sim = apply_args(SimConfig(), args, "sim").validate()
+    for path in (args.json_out, args.plot):  # fail now, not after the whole simulation
+        if path and not Path(path).resolve().parent.is_dir():
+            raise CliError(f"cannot write {path}: folder {Path(path).resolve().parent} does not exist")
     corpus = load_corpus(spec.data)
     print(f"corpus: {corpus.describe()}")
     methods = ["async", "sync", "dp"] if args.compare else [sim.method]
@@ -179,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (CliError, ConfigError) as err:
         print(f"p2p-diloco {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, OSError, TimeoutError) as err:
+        # Bad input that reached a lower layer (a corrupt key file, a config value of the wrong type, an
+        # unwritable path, a DHT that did not answer): one line, the traceback only with --verbose.
+        if args.verbose:
+            raise
+        print(f"p2p-diloco {args.command}: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"p2p-diloco {args.command}: interrupted", file=sys.stderr)

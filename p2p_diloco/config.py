@@ -168,12 +168,13 @@ class RunSpec:
         kwargs = {}
         for key, value in d.items():
             if key in subs:
+                _require(isinstance(value, dict), f"{key} must be an object of fields, got {value!r}")
                 sub_known = {f.name for f in dataclasses.fields(subs[key])}
                 bad = set(value) - sub_known
                 _require(not bad, f"unknown {key} fields: {sorted(bad)}")
-                kwargs[key] = subs[key](**value)
+                kwargs[key] = subs[key](**{k: _typed(subs[key], k, v, f"{key}.") for k, v in value.items()})
             else:
-                kwargs[key] = value
+                kwargs[key] = _typed(cls, key, value, "")
         return cls(**kwargs)
 
     def spec_hash(self) -> str:
@@ -184,6 +185,22 @@ class RunSpec:
     def differing_fields(self, other: RunSpec) -> list[str]:
         """Dotted names of the fields where two specs differ (for a clear mismatch error)."""
         return _diff(self.to_dict(), other.to_dict(), "")
+
+
+_SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _typed(cls: type, name: str, value, prefix: str):
+    """A JSON value checked against the field's annotation (an int is accepted where a float is asked)."""
+    annotation = next(f.type for f in dataclasses.fields(cls) if f.name == name)
+    expected = _SCALARS.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
+    if expected is None:
+        return value
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+    _require(ok, f"{prefix}{name} must be {expected.__name__}, got {value!r}")
+    return value
 
 
 def _diff(a: dict, b: dict, prefix: str) -> list[str]:
@@ -275,6 +292,8 @@ class SimConfig:
     """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
     eval_batches: int = 8
     """Eval batches per eval point."""
+    device: str = "cpu"
+    """Where every simulated peer's model trains: cpu (reproducible results), auto, cuda, cuda:N or mps."""
 
     def validate(self) -> SimConfig:
         _require(self.peers >= 1, f"peers must be >= 1, got {self.peers}")

@@ -55,3 +55,16 @@ def test_simulate_runs_and_writes_json_and_plot(tmp_path):
                 "--json-out", str(out), "--plot", str(png), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "eval_loss=" in proc.stdout and out.stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"model": 5}', "model must be an object of fields"),
+    ('{"inner": {"inner_steps": "abc"}}', "inner.inner_steps must be int, got 'abc'"),
+    ("[1, 2]", "must hold a JSON object"),
+    ("{not json", "is not valid JSON"),
+])
+def test_bad_config_file_gets_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "run.json"
+    path.write_text(content)
+    proc = _run("simulate", "--config", str(path))
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -226,7 +226,11 @@ def test_quiet_means_every_live_peer_is_done_with_our_replica() -> None:
     assert not is_quiet({"p1": {**done, "state": "training"}}, me, "abc")
     # forged or malformed fields never count as quiet, nor crash anything
     assert not is_quiet({"p1": {"state": ["done"], "vv_digest": b"abc"}}, me, "abc")
-    assert swarm_samples_per_round({me: done, "p1": done, "p2": {"samples_per_update": "lots"}}, me, 80) == (3, 240)
+    # weights come from the RunSpec: only training peers count, and what a record claims is never used
+    training = {"state": "training"}
+    assert swarm_samples_per_round({me: training, "p1": done, "p2": training}, me, 80) == (2, 160)
+    forged = {f"p{i}": {"state": "training", "samples_per_update": 1e308} for i in range(3)}
+    assert swarm_samples_per_round(forged, me, 80) == (4, 320)
 
 
 def test_spec_mismatch_names_the_fields_and_what_to_do() -> None:

@@ -95,6 +95,9 @@ class PeerConfig:
     """On Ctrl-C/SIGTERM, finish the inner phase if it ends within this many seconds, else drop it."""
     torch_threads: int = 0
     """CPU threads for torch (0: torch's default; 1 when several peers share a machine)."""
+    device: str = "auto"
+    """Where the model trains: auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps. The replica and
+    everything sent stay on the CPU in float32, so peers on different devices train one run together."""
 
     def validate(self) -> PeerConfig:
         def require(ok: bool, message: str) -> None:
@@ -113,6 +116,9 @@ class PeerConfig:
         require(self.reachability in ("", "public", "private"),
                 f"reachability must be public, private or empty, got {self.reachability!r}")
         require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
+        from p2p_diloco.train.device import resolve_device  # imports torch: here, not at import time
+
+        resolve_device(self.device)  # a missing GPU fails here, before the node starts
         return self
 
     def node_config(self):  # -> NodeConfig
@@ -279,7 +285,8 @@ class Peer:
         cfg = self.config
         shard = cfg.shard if cfg.shard >= 0 else shard_for(identity.peer_id, cfg.num_shards)
         corpus = load_corpus(self.spec.data, block_size=self.spec.model.block_size)
-        self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards)
+        self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
+                               device=cfg.device)
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,
                                      batch_size=self.spec.data.batch_size, num_batches=cfg.eval_batches)
         self.samples_per_update = self.spec.inner.inner_steps * self.spec.data.batch_size
@@ -289,7 +296,7 @@ class Peer:
         how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
         self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")
         self.log.write("start", peer_id=identity.peer_id, shard=shard, num_shards=cfg.num_shards,
-                       spec_hash=self.spec.spec_hash(), numel=self.learner.numel)
+                       spec_hash=self.spec.spec_hash(), numel=self.learner.numel, device=self.learner.device)
 
     def _report_start(self, how: str) -> None:
         node = self.network.node
@@ -297,7 +304,8 @@ class Peer:
             self.out(f"listening on {maddr}")
         verb = "published (first peer of the run)" if how == "published" else "matches the swarm's"
         self.out(f"run '{self.spec.run_id}' spec {self.spec.spec_hash()[:12]} {verb}; "
-                 f"{self.learner.numel:,} parameters, H={self.spec.inner.inner_steps}, codec={self.spec.outer.codec}")
+                 f"{self.learner.numel:,} parameters, H={self.spec.inner.inner_steps}, codec={self.spec.outer.codec}, "
+                 f"device={self.learner.device}")
 
     def _report_sync(self, synced: dict | None) -> None:
         if synced is None:

@@ -172,6 +172,7 @@ class PeerNetwork:
         self.peers: dict[str, dict] = {}
         self.counters: dict[str, int] = {}
         self.local: dict[str, Any] = {"state": "training"}
+        self.sync_donor: str | None = None
         self.node: SwarmNode | None = None
         self.learner: Learner | None = None
         self.gossip: Any = None
@@ -236,6 +237,7 @@ class PeerNetwork:
                 await asyncio.sleep(SYNC_RETRY_DELAY_S * attempt)
                 continue
             learner.replica.load(theta, vv)
+            self.sync_donor = donor  # serve() pulls from it at once: catch-up need not wait for anti-entropy
             return {"donor": donor, "vv_total": vv.total(), "bytes": theta.numel() * 4,
                     "seconds": time.monotonic() - started, "candidates": len(donors)}
         return None
@@ -250,6 +252,8 @@ class PeerNetwork:
         self.gossip = Gossip(self.node, self.run_id, learner.intake, store, self.gossip_config,
                              peers=self._other_peer_ids)
         await self.gossip.start()
+        if self.sync_donor:
+            await self.gossip.request_pull(self.sync_donor)
         self.server = SnapshotServer(self.node, self.run_id, self.spec_hash, learner.replica, self.identity,
                                      self.sync_config)
         await self.server.start()

@@ -102,8 +102,18 @@ async def _read_header(reader: asyncio.StreamReader, timeout_s: float) -> tuple[
     return _HEADER.unpack(header)
 
 
+READ_SLICE_BYTES = 1 << 20
+
+
 async def _read_payload(reader: asyncio.StreamReader, length: int, timeout_s: float) -> bytes:
-    return await asyncio.wait_for(reader.readexactly(length), timeout_s) if length else b""
+    """Read `length` bytes in 1 MiB slices, each within `timeout_s`: a large frame on a slow link keeps
+    making progress and is not cut off, while a stalled stream still times out after `timeout_s`."""
+    parts = []
+    while length > 0:
+        part = await asyncio.wait_for(reader.readexactly(min(length, READ_SLICE_BYTES)), timeout_s)
+        parts.append(part)
+        length -= len(part)
+    return b"".join(parts)
 
 
 async def _discard(reader: asyncio.StreamReader, n_bytes: int) -> None:

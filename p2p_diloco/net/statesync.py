@@ -376,12 +376,14 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
     _check_host()
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
-    theta = torch.empty(numel, dtype=torch.float32)  # our numel: never allocate what a remote declares
-    buffer = memoryview(theta.numpy()).cast("B")
     failures: list[str] = []
     for donor in dict.fromkeys(donors):
         if donor == node.peer_id:
             continue
+        # A fresh buffer per donor: a dropped donor's verify-and-copy thread may still be running (cancelling
+        # its task does not stop the thread) and must not write into the next donor's snapshot.
+        theta = torch.empty(numel, dtype=torch.float32)  # our numel: never allocate what a remote declares
+        buffer = memoryview(theta.numpy()).cast("B")
         started = time.monotonic()
         try:
             manifest = parse_manifest(

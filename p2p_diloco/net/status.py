@@ -64,11 +64,18 @@ def is_quiet(records: Mapping[str, dict], self_id: str, digest: str) -> bool:
                for pid, r in live(records).items() if pid != self_id)
 
 
+MAX_WEIGHTED_PEERS = 1024  # records are cheap to forge; a flood must not shrink every update's weight to nothing
+
+
 def swarm_samples_per_round(records: Mapping[str, dict], self_id: str, own_samples: float) -> tuple[int, float]:
-    """(num_peers, samples_per_round) for `SwarmView`: live peers plus us, summing their samples_per_update."""
-    peers = {pid: r for pid, r in live(records).items() if pid != self_id}
-    total = own_samples + sum(number(r, "samples_per_update", own_samples) for r in peers.values())
-    return len(peers) + 1, total
+    """(num_peers, samples_per_round) for `SwarmView`: live training peers plus us.
+
+    Samples per update are a RunSpec constant (H x batch_size), so every peer's share is taken as ours; a
+    remote record's own claim is never used (it could zero or inflate every weight in the swarm).
+    """
+    peers = [pid for pid, r in live(records).items() if pid != self_id and text(r, "state") == "training"]
+    num_peers = min(len(peers), MAX_WEIGHTED_PEERS) + 1
+    return num_peers, own_samples * num_peers
 
 
 def short_id(peer_id: str) -> str:

@@ -13,6 +13,7 @@ import torch
 from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
 from p2p_diloco.train.data import Corpus, ShardSampler, eval_batches, evaluate
+from p2p_diloco.train.device import resolve_device
 from p2p_diloco.train.inner import lr_at, make_inner_optimizer
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.model import build_model, flat_params
@@ -28,7 +29,8 @@ def _eval_set(spec: RunSpec, sim: SimConfig, corpus: Corpus):
 def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None) -> SimResult:
     n, H = sim.peers, spec.inner.inner_steps
     speeds = sim.speed_factors()
-    learners = [Learner(spec, Identity.generate(), corpus, shard=i, num_shards=n) for i in range(n)]
+    device = resolve_device(sim.device)
+    learners = [Learner(spec, Identity.generate(), corpus, shard=i, num_shards=n, device=device) for i in range(n)]
     eval_set = _eval_set(spec, sim, corpus)
     bytes_per_s = sim.bandwidth_mbps * 1e6 / 8
     bytes_sent = [0] * n
@@ -72,10 +74,11 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None
 def run_data_parallel(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None) -> SimResult:
     n = sim.peers
     speeds = sim.speed_factors()
+    device = resolve_device(sim.device)
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model, spec.seed)
-    numel = flat_params(model).numel()
-    optimizer = make_inner_optimizer(model, spec.inner)
+    model = build_model(spec.model, spec.seed).to(device)  # float32, as the learners (see Learner)
+    numel = model.num_params()
+    optimizer = make_inner_optimizer(model, spec.inner)  # after the move: AdamW state on the device
     samplers = [ShardSampler(corpus.train, shard=i, num_shards=n, block_size=spec.model.block_size,
                              batch_size=spec.data.batch_size, seed=spec.seed) for i in range(n)]
     eval_set = _eval_set(spec, sim, corpus)
@@ -94,7 +97,7 @@ def run_data_parallel(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=No
         optimizer.zero_grad(set_to_none=True)
         for sampler in samplers:  # the mean of the workers' gradients, as the all-reduce would give
             x, y = sampler.batch(step)
-            _, loss = model(x, y)
+            _, loss = model(x.to(device), y.to(device))
             (loss / n).backward()
         if spec.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.inner.grad_clip)
@@ -111,4 +114,4 @@ def run_data_parallel(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=No
                         utilization=steps * sim.step_time_s / speeds[i] / now if now else 0.0, taus=[],
                         eval_loss=loss) for i in range(n)]
     return SimResult(method="dp", eval_loss=loss, sim_time_s=now, tokens=steps * n * tokens_per_step,
-                     divergence=0.0, curve=curve, peers=peers, numel=numel, theta=flat_params(model))
+                     divergence=0.0, curve=curve, peers=peers, numel=numel, theta=flat_params(model).cpu())

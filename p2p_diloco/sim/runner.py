@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from p2p_diloco.config import ConfigError, RunSpec, SimConfig
 from p2p_diloco.sim.baselines import run_data_parallel, run_sync_diloco
 from p2p_diloco.sim.result import SimResult
@@ -19,6 +21,9 @@ def simulate(spec: RunSpec, sim: SimConfig, corpus: Corpus | None = None, progre
     if sim.total_steps < sim.peers * H:
         raise ConfigError(f"total_steps ({sim.total_steps}) must cover at least one round: "
                           f"peers x inner_steps = {sim.peers * H}")
+    # Equal tokens for every method: sync DiLoCo trains whole rounds of peers x H steps, so the budget is
+    # rounded down to that for all three (async would otherwise get up to one round more).
+    sim = dataclasses.replace(sim, total_steps=sim.total_steps // (sim.peers * H) * (sim.peers * H))
     corpus = corpus if corpus is not None else load_corpus(spec.data)
     if sim.method == "async":
         return AsyncSwarm(spec, sim, corpus, progress=progress).run()

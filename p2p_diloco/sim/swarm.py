@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_diloco.config import RunSpec, SimConfig
+from p2p_diloco.config import ConfigError, RunSpec, SimConfig
 from p2p_diloco.net.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.train.data import Corpus, eval_batches
+from p2p_diloco.train.device import resolve_device
 from p2p_diloco.train.learner import Learner, Phase, SwarmView
 from p2p_diloco.wire.envelope import encode_update
 from p2p_diloco.wire.identity import Identity
@@ -56,6 +57,7 @@ class AsyncSwarm:
     def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, *, progress=None):
         self.spec = spec.validate()
         self.sim = sim.validate()
+        self.device = resolve_device(sim.device)
         self.corpus = corpus
         self.progress = progress
         self.rng = random.Random(spec.seed)
@@ -77,7 +79,7 @@ class AsyncSwarm:
     def _add_peer(self, speed: float, state=None) -> SimPeer:
         index = len(self.peers)
         learner = Learner(self.spec, Identity.generate(), self.corpus, shard=index % self.num_shards,
-                          num_shards=self.num_shards, replica_state=state)
+                          num_shards=self.num_shards, replica_state=state, device=self.device)
         peer = SimPeer(index=index, learner=learner, speed=speed, store=UpdateStore(max_bytes=256 << 20),
                        exchange=MemoryExchange(self.net, learner.peer_id, self._view), joined_at=self.queue.now)
         self.peers.append(peer)
@@ -211,6 +213,9 @@ class AsyncSwarm:
 
     def _result(self) -> SimResult:
         alive = self._alive()
+        if not alive:
+            raise ConfigError("every peer crashed before the run ended: nothing is left to evaluate "
+                              "(script fewer crashes, or add --join)")
         final = {p.index: p.learner.evaluate(self.eval_set) for p in alive}
         losses = list(final.values())
         thetas = [p.learner.replica.snapshot()[0] for p in alive]
