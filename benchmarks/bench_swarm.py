@@ -41,20 +41,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--inner-steps", type=int, default=50)
     ap.add_argument("--codec", default="int8")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     n, H, R = args.peers, args.inner_steps, args.rounds
     spec = preset(args.preset)
     spec = dataclasses.replace(spec, inner=dataclasses.replace(spec.inner, inner_steps=H, decay_steps=R * H),
-                               outer=dataclasses.replace(spec.outer, codec=args.codec))
+                               outer=dataclasses.replace(spec.outer, codec=args.codec, outer_lr=args.outer_lr,
+                                                         momentum=args.momentum))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-swarm-"))
     print(f"# {time.strftime('%Y-%m-%d')} preset={args.preset} N={n} H={H} rounds={R} codec={args.codec} "
+          f"outer_lr={args.outer_lr} momentum={args.momentum} "
           f"workdir={workdir}\n`{' '.join(sys.argv)}`", flush=True)
 
     t0 = time.time()
     cmd = [sys.executable, str(ROOT / "examples" / "local_swarm.py"), "--peers", str(n), "--rounds", str(R),
            "--preset", args.preset, "--workdir", str(workdir), "--", "--inner-steps", str(H),
-           "--decay-steps", str(R * H), "--codec", args.codec, "--eval-every", "0"]
+           "--decay-steps", str(R * H), "--codec", args.codec, "--outer-lr", str(args.outer_lr),
+           "--momentum", str(args.momentum), "--eval-every", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-3000:])

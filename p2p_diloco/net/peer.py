@@ -34,6 +34,7 @@ from typing import Any
 
 from p2p_diloco.config import ConfigError, RunSpec
 from p2p_diloco.net.status import (
+    MAX_WEIGHTED_PEERS,
     JsonLog,
     fmt_bytes,
     is_quiet,
@@ -207,6 +208,9 @@ class SwarmExchange:
     def __init__(self, network: Any, loop: Any, samples_per_update: float) -> None:
         self.network, self.loop, self.samples_per_update = network, loop, samples_per_update
         self.last_publish: Any = None  # concurrent.futures.Future of the last hand-over
+        self._seen: dict[str, int] = {}  # sender -> highest seq we have merged from it
+        self._active_at: dict[str, float] = {}  # sender -> when its seq last advanced in our replica
+        self._last_view_at: float | None = None
 
     def publish(self, update: Any) -> None:
         import asyncio
@@ -217,9 +221,26 @@ class SwarmExchange:
         from p2p_diloco.train.learner import SwarmView
 
         node = self.network.node
-        num_peers, samples_per_round = swarm_samples_per_round(self.network.peers, node.peer_id if node else "",
-                                                               self.samples_per_update)
-        return SwarmView(num_peers=num_peers, samples_per_round=samples_per_round)
+        me = node.peer_id if node else ""
+        num_peers, _ = swarm_samples_per_round(self.network.peers, me, self.samples_per_update)
+        # DHT records lag (a peer that started a few seconds later is not listed yet, and then every update
+        # would be signed with too large a weight): also count the senders whose updates advanced our replica
+        # within the last few of our rounds. Both are cheap local reads; neither waits on the network.
+        num_peers = min(MAX_WEIGHTED_PEERS + 1, max(num_peers, self._recent_senders(me) + 1))
+        return SwarmView(num_peers=num_peers, samples_per_round=self.samples_per_update * num_peers)
+
+    def _recent_senders(self, me: str) -> int:
+        now = time.monotonic()
+        window_s = max(30.0, 3 * (now - self._last_view_at)) if self._last_view_at else 30.0
+        self._last_view_at = now
+        learner = getattr(self.network, "learner", None)
+        if learner is not None:
+            for sender, seq in learner.replica.version_vector.items():
+                if sender != me and seq > self._seen.get(sender, 0):
+                    self._seen[sender], self._active_at[sender] = seq, now
+        for sender in [s for s, t in self._active_at.items() if now - t > window_s]:
+            del self._active_at[sender]  # bounded: only senders active within the window stay
+        return len(self._active_at)
 
 
 class Peer:

@@ -334,9 +334,13 @@ class PeerNetwork:
         self.peers = live(records)
 
     async def _refresh_loop(self) -> None:
+        started = time.monotonic()
         while True:
             lingering = self.local.get("state") == "done"
-            await asyncio.sleep(1.0 if lingering else min(5.0, self.record_ttl_s / 6))
+            # Every second at first: peers that start together must see each other before they sign their
+            # first weights (a peer that sees nobody signs w=1, an N-fold overshoot).
+            starting = time.monotonic() - started < 15.0
+            await asyncio.sleep(1.0 if lingering or starting else min(5.0, self.record_ttl_s / 6))
             try:
                 await self._refresh_peers()
             except Exception:

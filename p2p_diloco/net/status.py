@@ -68,12 +68,13 @@ MAX_WEIGHTED_PEERS = 1024  # records are cheap to forge; a flood must not shrink
 
 
 def swarm_samples_per_round(records: Mapping[str, dict], self_id: str, own_samples: float) -> tuple[int, float]:
-    """(num_peers, samples_per_round) for `SwarmView`: live training peers plus us.
+    """(num_peers, samples_per_round) for `SwarmView`: live peers that train or are about to, plus us.
 
     Samples per update are a RunSpec constant (H x batch_size), so every peer's share is taken as ours; a
     remote record's own claim is never used (it could zero or inflate every weight in the swarm).
     """
-    peers = [pid for pid, r in live(records).items() if pid != self_id and text(r, "state") == "training"]
+    peers = [pid for pid, r in live(records).items()
+             if pid != self_id and text(r, "state") in ("syncing", "training")]
     num_peers = min(len(peers), MAX_WEIGHTED_PEERS) + 1
     return num_peers, own_samples * num_peers
 

@@ -66,7 +66,8 @@ class AsyncSwarm:
                                  loss=sim.loss, rng=self.rng)
         self.num_shards = sim.peers + len(sim.joins())
         self.peers: list[SimPeer] = []
-        self.steps_started = 0
+        self.steps_started = 0  # the budget: phases are admitted against it when they start
+        self.steps_published = 0  # the loss curve's x: steps whose update has been published
         self.eval_set = eval_batches(corpus, block_size=spec.model.block_size, batch_size=spec.data.batch_size,
                                      num_batches=sim.eval_batches)
         self.curve: list[EvalPoint] = []
@@ -134,11 +135,12 @@ class AsyncSwarm:
         update = learner.finish_phase(peer.phase, result, peer.exchange.swarm_view())
         peer.taus.append(update.header.tau)
         peer.compute_s += self._phase_s(peer)
+        self.steps_published += self.spec.inner.inner_steps
         peer.store.add(update)
         peer.held_since[(update.sender, update.seq)] = self.queue.now
         peer.exchange.publish(update)
         if self.progress:
-            self.progress(self.steps_started, self.sim.total_steps, result.mean_loss)
+            self.progress(self.steps_published, self.sim.total_steps, result.mean_loss)
         self._start_phase(peer)
 
     def _anti_entropy(self) -> None:
@@ -191,7 +193,7 @@ class AsyncSwarm:
     def _eval_point(self) -> None:
         alive = self._alive()
         if alive:
-            tokens = self.steps_started * self.spec.data.batch_size * self.spec.model.block_size
+            tokens = self.steps_published * self.spec.data.batch_size * self.spec.model.block_size
             loss = alive[0].learner.evaluate(self.eval_set)
             self.curve.append(EvalPoint(time_s=self.queue.now, tokens=tokens, loss=loss))
         if any(p.busy for p in alive):
