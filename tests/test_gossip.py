@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from net_helpers import LoopThread
 
 from p2p_diloco.config import preset
 from p2p_diloco.net import rpc
@@ -36,32 +36,6 @@ SPEC = dataclasses.replace(preset("test"), run_id="gossip-test")
 NUMEL = 2000
 CODEC = get_codec(SPEC.outer.codec, SPEC.outer.codec_block)
 QUIET = 3600.0  # anti_entropy_s that never fires within a test
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread; `run` submits a coroutine and waits for its result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-gossip-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        async def cancel_leftovers() -> None:  # e.g. the server side of the deliberately hanging handlers
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=5)
-            await self.loop.shutdown_asyncgens()
-
-        self.run(cancel_leftovers(), timeout_s=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @dataclasses.dataclass

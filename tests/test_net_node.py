@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 import msgpack
@@ -23,6 +22,7 @@ import pytest
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from net_helpers import LoopThread
 
 from p2p_diloco.net import rpc
 from p2p_diloco.net.discovery import (
@@ -46,32 +46,6 @@ pytestmark = pytest.mark.timeout(120)
 RUN = "test-run"
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 MiB = 1024 * 1024
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread; `run` submits a coroutine and waits for its result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-net-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        async def cancel_leftovers() -> None:  # e.g. the server side of the deliberately hanging handler
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=5)
-            await self.loop.shutdown_asyncgens()
-
-        self.run(cancel_leftovers(), timeout_s=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")

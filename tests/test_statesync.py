@@ -7,18 +7,17 @@ and the next donor used; the standard assertion is that the joiner ends with exa
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from enum import Enum
 from typing import Any
 
 import msgpack
 import pytest
 import torch
+from net_helpers import LoopThread
 
 from p2p_diloco.config import preset
 from p2p_diloco.net import rpc
@@ -43,32 +42,6 @@ SPEC = dataclasses.replace(preset("test"), run_id="statesync-test")
 SPEC_HASH = SPEC.spec_hash()
 NUMEL = 10_003  # 40_012 bytes: 10 chunks of 4096 bytes, the last one short
 CONFIG = StateSyncConfig(chunk_bytes=4096, parallel_chunks=3, timeout_s=5.0)
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread; `run` submits a coroutine and waits for its result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-statesync-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        async def cancel_leftovers() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=5)
-            await self.loop.shutdown_asyncgens()
-
-        self.run(cancel_leftovers(), timeout_s=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @dataclasses.dataclass
