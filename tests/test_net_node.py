@@ -22,7 +22,6 @@ import pytest
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
-from net_helpers import LoopThread
 
 from p2p_diloco.net import rpc
 from p2p_diloco.net.discovery import (
@@ -46,15 +45,6 @@ pytestmark = pytest.mark.timeout(120)
 RUN = "test-run"
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 MiB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    try:
-        yield lt
-    finally:
-        lt.close()
 
 
 def _identity(tmp_path_factory, name: str) -> tuple[Identity, str]:
@@ -398,8 +388,11 @@ def test_stock_hivemind_dht_as_bootstrap(loop, tmp_path_factory) -> None:
             loop.run(d.dht_store(peers_key(RUN), _forged_value(id_d, e.peer_id, exp), exp, subkey=e.peer_id,
                                  timeout_s=10))
             for reader in (d, e):
+                # Whether the raw read still shows the forged subkey depends on which node answers first (the
+                # stock node keeps it): the guarantees are that the real record stays readable and that
+                # list_peers never returns the forged one.
                 found = loop.run(reader.dht_get(peers_key(RUN), timeout_s=10))
-                assert found is not None and set(found.value) == {d.peer_id}
+                assert found is not None and d.peer_id in found.value
                 assert set(loop.run(list_peers(reader, RUN, timeout_s=10))) == {d.peer_id}
             # a client-mode node serves no DHT requests but still serves our streams
             loop.run(rpc.serve(e.p2p, f"{RUN}/ping", _pong, max_request_bytes=16, timeout_s=5))
