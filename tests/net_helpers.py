@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Coroutine
 from typing import Any
+
+from p2p_diloco.net.node import NodeConfig, SwarmNode
+from p2p_diloco.wire.identity import Identity
 
 
 class LoopThread:
@@ -32,3 +36,20 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+@dataclasses.dataclass
+class Member:
+    """A started SwarmNode and the identity it runs under."""
+
+    node: SwarmNode
+    identity: Identity
+
+
+async def start_member(tmp_path_factory, initial_peers: tuple[str, ...] = ()) -> Member:
+    """A SwarmNode on 127.0.0.1, port 0, with a fresh Ed25519 identity."""
+    identity = Identity.generate()
+    path = str(tmp_path_factory.mktemp("keys") / "node.key")
+    identity.save(path)
+    config = NodeConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial_peers, start_timeout_s=30)
+    return Member(await SwarmNode.start(path, config), identity)

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from net_helpers import LoopThread
+from net_helpers import LoopThread, Member, start_member
 
 from p2p_diloco.config import preset
 from p2p_diloco.net import rpc
 from p2p_diloco.net.gossip import Gossip, GossipConfig, decode_request, encode_request
-from p2p_diloco.net.node import NodeConfig, SwarmNode
+from p2p_diloco.net.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.store import UpdateStore
@@ -36,12 +36,6 @@ SPEC = dataclasses.replace(preset("test"), run_id="gossip-test")
 NUMEL = 2000
 CODEC = get_codec(SPEC.outer.codec, SPEC.outer.codec_block)
 QUIET = 3600.0  # anti_entropy_s that never fires within a test
-
-
-@dataclasses.dataclass
-class Member:
-    node: SwarmNode
-    identity: Identity
 
 
 @dataclasses.dataclass
@@ -61,30 +55,13 @@ class Peer:
         return self.replica.version_vector
 
 
-async def _start_node(tmp_path_factory, initial_peers: tuple[str, ...]) -> Member:
-    identity = Identity.generate()
-    path = str(tmp_path_factory.mktemp("keys") / "node.key")
-    identity.save(path)
-    config = NodeConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial_peers, start_timeout_s=30)
-    return Member(await SwarmNode.start(path, config), identity)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    try:
-        yield lt
-    finally:
-        lt.close()
-
-
 @pytest.fixture(scope="module")
 def members(loop, tmp_path_factory):
     """Three nodes: A first, B and C bootstrapped from A."""
     out: list[Member] = []
     try:
         for _ in range(3):
-            out.append(loop.run(_start_node(tmp_path_factory, tuple(out[0].node.visible_maddrs()) if out else ())))
+            out.append(loop.run(start_member(tmp_path_factory, tuple(out[0].node.visible_maddrs()) if out else ())))
         yield out
     finally:
         for m in out:
@@ -252,7 +229,7 @@ def _pull_failures(peers: list[Peer]) -> int:
 
 def test_a_hung_then_vanished_peer_does_not_stall_gossip(loop, members, tmp_path_factory) -> None:
     """D first accepts calls and never answers (pulls to it time out), then shuts down (calls fail fast)."""
-    d = loop.run(_start_node(tmp_path_factory, tuple(members[0].node.visible_maddrs())))
+    d = loop.run(start_member(tmp_path_factory, tuple(members[0].node.visible_maddrs())))
     release = asyncio.Event()
 
     async def hang(request: bytes, caller: str) -> bytes:

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from p2p_diloco.config import ConfigError, SimConfig, preset
 from p2p_diloco.sim.runner import simulate
@@ -68,3 +69,25 @@ def test_slow_peer_makes_sync_wait_but_not_async(corpus):
 def test_budget_smaller_than_a_round_is_refused(corpus):
     with pytest.raises(ConfigError, match="at least one round"):
         simulate(SPEC, SimConfig(peers=4, total_steps=10), corpus)
+
+
+def test_learner_round_talks_to_an_exchange(corpus):
+    """Learner.run_round against the in-memory Exchange: publish returns at once, delivery comes later."""
+    import random
+
+    from p2p_diloco.net.memory import MemoryExchange, MemoryNetwork
+    from p2p_diloco.sim.events import EventQueue
+    from p2p_diloco.train.learner import Learner, SwarmView
+    from p2p_diloco.wire.identity import Identity
+
+    queue = EventQueue()
+    net = MemoryNetwork(queue, latency_s=0.1, bandwidth_mbps=100, loss=0.0, rng=random.Random(0))
+    a, b = (Learner(SPEC, Identity.generate(), corpus, shard=i, num_shards=2) for i in range(2))
+    net.attach(b.peer_id, lambda data, src: b.intake.receive(data))
+    view = SwarmView(num_peers=2, samples_per_round=2 * SPEC.inner.inner_steps * SPEC.data.batch_size)
+    update, result = a.run_round(MemoryExchange(net, a.peer_id, lambda: view))
+    assert result.steps == SPEC.inner.inner_steps and update.header.weight == 0.5
+    assert b.replica.version_vector.get(a.peer_id) == 0  # published, not yet delivered
+    queue.run()
+    assert b.replica.version_vector.get(a.peer_id) == 1
+    assert torch.equal(a.replica.snapshot()[0], b.replica.snapshot()[0])

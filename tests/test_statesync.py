@@ -17,11 +17,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from net_helpers import LoopThread
+from net_helpers import LoopThread, Member, start_member
 
 from p2p_diloco.config import preset
 from p2p_diloco.net import rpc
-from p2p_diloco.net.node import NodeConfig, SwarmNode
 from p2p_diloco.net.statesync import (
     MANIFEST_DOMAIN,
     DonorError,
@@ -44,33 +43,13 @@ NUMEL = 10_003  # 40_012 bytes: 10 chunks of 4096 bytes, the last one short
 CONFIG = StateSyncConfig(chunk_bytes=4096, parallel_chunks=3, timeout_s=5.0)
 
 
-@dataclasses.dataclass
-class Member:
-    node: SwarmNode
-    identity: Identity
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    try:
-        yield lt
-    finally:
-        lt.close()
-
-
 @pytest.fixture(scope="module")
 def members(loop, tmp_path_factory):
     """Joiner J (first) and donors A and B, bootstrapped from J."""
     out: list[Member] = []
     try:
         for _ in range(3):
-            identity = Identity.generate()
-            path = str(tmp_path_factory.mktemp("keys") / "node.key")
-            identity.save(path)
-            config = NodeConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), start_timeout_s=30,
-                                initial_peers=tuple(out[0].node.visible_maddrs()) if out else ())
-            out.append(Member(loop.run(SwarmNode.start(path, config)), identity))
+            out.append(loop.run(start_member(tmp_path_factory, tuple(out[0].node.visible_maddrs()) if out else ())))
         yield out
     finally:
         for m in out:
