@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import reprlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ DIGEST_BYTES = 32
 # Generous bounds on header fields: a real header is ~250 bytes. They cap what a hostile header can make us hold.
 MAX_HEADER_BYTES = 1024
 MAX_NAME_CHARS = 128
+MAX_DETAIL_CHARS = 300
+"""Longest rejection detail kept: details quote untrusted input and end up in logs."""
 _MAX_INT = 2**63 - 1  # fits an int64 tensor or database column downstream
 
 
@@ -46,6 +49,7 @@ class WireError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         if reason not in REJECT_REASONS:
             raise ValueError(f"unknown reject reason {reason!r}")
+        message = message[:MAX_DETAIL_CHARS]
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.detail = message
@@ -238,7 +242,7 @@ def _decode_header(header_bytes: bytes) -> UpdateHeader:
 def _check_header(h: UpdateHeader) -> None:
     """Types and ranges of every field; `WireError("bad_header")` naming the first bad one."""
     def bad(field: str, why: str) -> WireError:
-        return WireError("bad_header", f"{field} {why}, got {getattr(h, field)!r}"[:300])
+        return WireError("bad_header", f"{field} {why}, got {_short_repr(getattr(h, field))}")
 
     for field in ("run_id", "spec_hash", "codec"):
         value = getattr(h, field)
@@ -264,3 +268,11 @@ def _check_header(h: UpdateHeader) -> None:
         raise bad("weight", "must be >= 0")
     if type(h.payload_digest) is not bytes or len(h.payload_digest) != DIGEST_BYTES:
         raise bad("payload_digest", f"must be {DIGEST_BYTES} bytes (sha256)")
+
+
+def _short_repr(value: Any) -> str:
+    """A bounded repr of an untrusted value. Plain repr recurses once per nesting level, and a 1 KiB header of
+    nested msgpack arrays is deep enough to raise RecursionError instead of a rejection; reprlib stops early."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlong = 3, 80, 80, 40
+    return short.repr(value)

@@ -1,0 +1,1 @@
+"""Fuzz targets for the parsers that read untrusted bytes (see fuzz/README.md)."""
