@@ -228,6 +228,25 @@ class ShardSampler:
         self.shard, self.num_shards = shard, num_shards
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
 
+    def position(self, step: int) -> dict[str, int]:
+        """The data position after `step` inner steps, for a checkpoint: the step is the whole position (batches
+        are a pure function of it), the rest says which stream it is a position in."""
+        return {"step": int(step), "shard": self.shard, "num_shards": self.num_shards, "seed": self.seed,
+                "block_size": self.block_size, "batch_size": self.batch_size, "shard_bytes": self.data.numel()}
+
+    def resume_step(self, position: dict) -> int:
+        """The step to resume at from a checkpointed `position`. A position in another stream (another shard,
+        corpus size or batch shape: e.g. the peer was restarted with other options) still resumes at its step,
+        so the schedule's clock goes on; the batches then come from the new stream, and we say so."""
+        changed = {k: (position.get(k), v) for k, v in self.position(0).items()
+                   if k != "step" and position.get(k) != v}
+        if changed:
+            logger.warning("data stream changed since the checkpoint (checkpoint, now): %s", changed)
+        step = position.get("step")
+        if type(step) is not int or step < 0:
+            raise ValueError(f"bad data position step {step!r}")
+        return step
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) LongTensors [batch_size, block_size] on CPU, a pure function of (seed, shard, step)."""
         g = torch.Generator().manual_seed(_seed_from(self.seed, self.shard, step))

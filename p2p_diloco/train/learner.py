@@ -15,12 +15,21 @@ Devices: phi, its AdamW state and the batches live on `device` (a GPU if the pee
 vector, the outer state and the codecs stay on the CPU in float32. That is the network-facing state: merged by
 another thread, and bit-identical on every peer whatever device it trains on. Crossing points: `begin_phase`
 and `_rebase` (CPU -> device) and `finish_phase` (device -> CPU).
+
+Restart (train/checkpoint.py): `state_dict` / `load_state_dict` carry everything a restarted unit needs
+(theta and V, m and e, the inner AdamW state, the data position, its own last seq, the RNG); `persist_update`,
+if set, makes each signed update durable before it is merged or published, and `adopt_own_updates` takes
+those back after a restart. Sequence numbers come from `last_seq`, never from the replica alone: a restarted
+unit must not sign different content under a seq it has used before (receivers would see equivocation).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +45,8 @@ from p2p_diloco.train.outer import OuterState, outer_update, pseudo_gradient, up
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, make_update
 from p2p_diloco.wire.identity import Identity
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,6 +110,10 @@ class Learner:
                                     block_size=spec.model.block_size, batch_size=spec.data.batch_size,
                                     seed=spec.seed)
         self.step = 0  # cumulative inner steps: the schedule's clock and the data position
+        self.last_seq = 0  # the highest seq this identity has signed (in this run, across restarts)
+        # Called with each signed update before it can be seen (merged into the replica, which the snapshot
+        # server serves, or published): the checkpoint journal. None: no restart support.
+        self.persist_update: Callable[[OuterUpdate], None] | None = None
         self.history: list[dict] = []
         self._eval_model: torch.nn.Module | None = None
 
@@ -144,12 +159,21 @@ class Learner:
         payload, _ = outer_update(delta, self.outer_state, self.spec.outer, self.codec)
         tau = self.replica.version_vector.staleness(phase.version_vector)
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
+        own_merged = self.replica.version_vector.get(self.peer_id)
         update = make_update(
             run_id=self.spec.run_id, spec_hash=self.intake.spec_hash, sender=self.peer_id,
-            seq=self.replica.version_vector.get(self.peer_id) + 1, tau=tau, samples=result.samples,
+            seq=max(self.last_seq, own_merged) + 1, tau=tau, samples=result.samples,
             weight=weight, codec=self.codec.name, numel=self.numel, payload=payload, identity=self.identity)
+        # Durable before anyone can see it. A crash before this line loses an update nobody saw, so its seq is
+        # free to be signed again with other content; after it, a restart takes this very update back.
+        if self.persist_update is not None:
+            self.persist_update(update)
+        self.last_seq = update.seq
         outcome, _ = self.replica.offer(update)
-        if outcome is not MergeOutcome.MERGED:  # our own next seq always merges; anything else is a bug
+        # Our own next seq always merges, unless a restart left a gap in our own seqs that no journal entry
+        # could fill (it waits for gossip to bring the missing ones); anything else is a bug.
+        own_gap = update.seq > own_merged + 1
+        if outcome is not MergeOutcome.MERGED and not (outcome is MergeOutcome.BUFFERED and own_gap):
             raise RuntimeError(f"own update not merged: {outcome}")
         self.history.append({"step": self.step, "seq": update.seq, "tau": tau, "weight": weight,
                              "loss": result.mean_loss, "compute_s": result.compute_s, "rebases": phase.rebases})
@@ -162,6 +186,76 @@ class Learner:
         update = self.finish_phase(phase, result, exchange.swarm_view())
         exchange.publish(update)
         return update, result
+
+    # ---- checkpoints (train/checkpoint.py writes and verifies them; this is what goes in) --------------------
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, JSON-able meta): everything a restart needs. Call between phases (phi is not saved: the
+        next phase starts from theta). theta and V come from one snapshot, so V names exactly what theta holds."""
+        theta, vv = self.replica.snapshot()
+        tensors = {"theta": theta, "rng.cpu": torch.get_rng_state()}
+        tensors.update({f"outer.{k}": v for k, v in self.outer_state.state_dict().items()})
+        for index, state in self.optimizer.state_dict()["state"].items():
+            for name, value in state.items():
+                if not torch.is_tensor(value):
+                    raise TypeError(f"inner optimizer state {index}.{name} is not a tensor: {type(value).__name__}")
+                tensors[f"inner.{index}.{name}"] = value.detach().to("cpu").contiguous()
+        meta = {"version_vector": vv.to_dict(), "last_seq": max(self.last_seq, vv.get(self.peer_id)),
+                "data": self.sampler.position(self.step), "numel": self.numel}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore a `state_dict` (from a checkpoint of this model). Everything is checked before anything
+        changes: ValueError/KeyError/TypeError if it does not fit, and the learner is as it was."""
+        if meta.get("numel") != self.numel:
+            raise ValueError(f"checkpoint has {meta.get('numel')} parameters, this model {self.numel}")
+        for key in ("theta", "outer.momentum", "outer.error"):
+            if tensors[key].shape != (self.numel,) or tensors[key].dtype != torch.float32:
+                raise ValueError(f"checkpoint tensor {key} is {tensors[key].dtype} {tuple(tensors[key].shape)}")
+        if not bool(torch.isfinite(tensors["theta"]).all()):
+            raise ValueError("checkpoint theta is not finite")
+        vv = VersionVector.from_dict(meta["version_vector"])
+        last_seq, step, rng = meta["last_seq"], self.sampler.resume_step(meta["data"]), tensors["rng.cpu"]
+        if type(last_seq) is not int or last_seq < 0:
+            raise ValueError(f"bad last_seq {last_seq!r}")
+        inner: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("inner."):
+                _, index, name = key.split(".", 2)
+                inner.setdefault(int(index), {})[name] = value
+        param_groups = self.optimizer.state_dict()["param_groups"]  # hyper-parameters come from the RunSpec
+        known = {i for group in param_groups for i in group["params"]}
+        if not set(inner) <= known:
+            raise ValueError(f"inner optimizer state for parameters {sorted(set(inner) - known)} this model lacks")
+        self.outer_state.load_state_dict({"momentum": tensors["outer.momentum"], "error": tensors["outer.error"]})
+        self.optimizer.load_state_dict({"state": inner, "param_groups": param_groups})  # moved to the device
+        self.replica.load(tensors["theta"].clone(), vv)
+        self.step = step
+        self.last_seq = max(last_seq, vv.get(self.peer_id))
+        torch.set_rng_state(rng)
+
+    def adopt_own_updates(self, updates: Iterable[OuterUpdate]) -> int:
+        """After loading a checkpoint or a snapshot: offer our own signed updates (from the journal) that the
+        replica lacks, in seq order, and account for the rounds published after the loaded sender state.
+
+        Returns that number of rounds, k: for them m, e are lost (`OuterState.skip_rounds`) and the data
+        position moves past the k * H batches they trained on. Idempotent: a second call (after a state sync
+        that followed the checkpoint) counts nothing twice, and the replica merges nothing twice.
+        """
+        rounds = 0
+        for update in sorted((u for u in updates if u.sender == self.peer_id), key=lambda u: u.seq):
+            if update.seq > self.last_seq:
+                rounds += 1
+                self.last_seq = update.seq
+            outcome, _ = self.replica.offer(update)  # MERGED, or DUPLICATE when V already has it
+            if outcome not in (MergeOutcome.MERGED, MergeOutcome.DUPLICATE, MergeOutcome.BUFFERED):
+                raise RuntimeError(f"own journaled update seq={update.seq} not accepted: {outcome}")
+        if self.replica.version_vector.get(self.peer_id) < self.last_seq:
+            logger.warning("own updates missing from the replica up to seq=%d (merged up to %d): waiting for "
+                           "peers to send them", self.last_seq, self.replica.version_vector.get(self.peer_id))
+        self.outer_state.skip_rounds(rounds, self.spec.outer.momentum)
+        self.step += rounds * self.spec.inner.inner_steps
+        return rounds
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Eval loss of the replica (not of phi), on a model of its own (on the device; `evaluate` moves the

@@ -37,6 +37,32 @@ class OuterState:
     def zeros(cls, numel: int) -> OuterState:
         return cls(momentum=torch.zeros(numel), error=torch.zeros(numel))
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of `m` and `e` (float32, CPU) for a checkpoint."""
+        return {"momentum": self.momentum.detach().clone(), "error": self.error.detach().clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `m` and `e` in place; the shapes must match (the same model)."""
+        for name in ("momentum", "error"):
+            mine, theirs = getattr(self, name), state[name]
+            if theirs.shape != mine.shape:
+                raise ValueError(f"outer state {name}: shape {tuple(theirs.shape)}, expected {tuple(mine.shape)}")
+            mine.copy_(theirs)
+
+    def skip_rounds(self, k: int, mu: float) -> None:
+        """Account for `k` rounds whose updates were published but whose `m`, `e` were lost (a restart from a
+        checkpoint older than the last published update; see train/checkpoint.py).
+
+        After k more rounds, m = mu^k m_ckpt + sum_j mu^(k-j) delta_j: the deltas are lost, the decayed part is
+        exact, so keep only it (keeping m_ckpt whole would re-apply the momentum already spent in those rounds).
+        e_ckpt was added into the first lost update, so it is spent: re-adding it would apply it twice; the
+        lost rounds' own residual is unknown and small (the codec's error), so e starts again from zero.
+        """
+        if k <= 0:
+            return
+        self.momentum.mul_(mu ** k)
+        self.error.zero_()
+
 
 def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec) -> tuple[bytes, torch.Tensor]:
     """Apply momentum and compression to a pseudo-gradient; returns (payload, decompressed payload).
