@@ -136,6 +136,50 @@ class OuterConfig:
         _require(self.max_weight > 0, f"outer.max_weight must be > 0, got {self.max_weight}")
 
 
+AGGREGATIONS = ("sum", "coord_clip", "centered_clip")
+
+
+@dataclass(frozen=True)
+class DefenceConfig:
+    """What every peer does with hostile input (sync/robust.py, sync/replica.py): shared, so all decide alike."""
+
+    norm_bound: float = 1.0
+    """Reject and ban an update with a coordinate above this multiple of the spec's bound on honest updates
+    (inner_steps * lr * Adam's step bound / (1 - momentum)); 0 disables."""
+    aggregation: str = "sum"
+    """How each merged payload is shaped: sum (as signed), coord_clip (each coordinate clipped, identical on
+    every peer) or centered_clip (CenteredClip around this replica's recent updates; replicas may differ)."""
+    coord_clip: float = 0.25
+    """coord_clip: clip each coordinate to this fraction of the spec's bound on honest updates."""
+    clip_window: int = 8
+    """centered_clip: how many recently merged payloads the centre is computed from."""
+    clip_radius: float = 4.0
+    """centered_clip: clip radius as a multiple of the median distance of the window's payloads to the centre
+    (benchmarks/bench_poison.py: 1.0-2.5 also clip honest updates, and cost 2-9% loss on a clean run)."""
+    gap_timeout_s: float = 120.0
+    """Seconds a gap in one sender's seqs may stay unfilled before the replica skips it (records a hole,
+    merges the later seqs, and still merges the missing one if it turns up)."""
+    max_hole_span: int = 16
+    """Largest gap (in seqs) that is skipped; a larger one waits, as it needs a state sync, not a skip."""
+    allowed_senders: tuple[str, ...] = ()
+    """PeerIDs allowed to contribute updates, comma-separated (a closed swarm); empty allows every peer."""
+
+    def validate(self) -> None:
+        _require(self.norm_bound >= 0 and math.isfinite(self.norm_bound),
+                 f"defence.norm_bound must be a number >= 0, got {self.norm_bound}")
+        _require(self.aggregation in AGGREGATIONS,
+                 f"defence.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        _require(self.coord_clip > 0 and math.isfinite(self.coord_clip),
+                 f"defence.coord_clip must be a positive number, got {self.coord_clip}")
+        _require(self.clip_window >= 2, f"defence.clip_window must be >= 2, got {self.clip_window}")
+        _require(self.clip_radius > 0 and math.isfinite(self.clip_radius),
+                 f"defence.clip_radius must be a positive number, got {self.clip_radius}")
+        _require(self.gap_timeout_s > 0, f"defence.gap_timeout_s must be > 0, got {self.gap_timeout_s}")
+        _require(self.max_hole_span >= 1, f"defence.max_hole_span must be >= 1, got {self.max_hole_span}")
+        _require(all(isinstance(s, str) and s for s in self.allowed_senders),
+                 "defence.allowed_senders must be PeerID strings")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything the peers of one run must agree on. Content-hashed by `spec_hash()`."""
@@ -148,11 +192,12 @@ class RunSpec:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    defence: DefenceConfig = field(default_factory=DefenceConfig)
 
     def validate(self) -> RunSpec:
         _require(bool(self.run_id) and len(self.run_id) <= 64 and self.run_id.isprintable(),
                  f"run_id must be 1-64 printable characters, got {self.run_id!r}")
-        for part in (self.model, self.data, self.inner, self.outer):
+        for part in (self.model, self.data, self.inner, self.outer, self.defence):
             part.validate()
         return self
 
@@ -161,7 +206,8 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> RunSpec:
-        subs = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig}
+        subs = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig,
+                "defence": DefenceConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         _require(not unknown, f"unknown RunSpec fields: {sorted(unknown)}")
@@ -194,6 +240,9 @@ def _typed(cls: type, name: str, value, prefix: str):
     """A JSON value checked against the field's annotation (an int is accepted where a float is asked)."""
     annotation = next(f.type for f in dataclasses.fields(cls) if f.name == name)
     expected = _SCALARS.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
+    if str(annotation).startswith("tuple[str") and isinstance(value, (list, tuple)):
+        _require(all(isinstance(v, str) for v in value), f"{prefix}{name} must be a list of strings, got {value!r}")
+        return tuple(value)  # JSON has lists; a frozen config holds tuples
     if expected is None:
         return value
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -284,6 +333,14 @@ class SimConfig:
     """Probability that a message is lost; lost updates come back through anti-entropy."""
     anti_entropy_s: float = 10.0
     """Simulated seconds until a lost message is recovered by anti-entropy."""
+    latency_jitter_s: float = 0.0
+    """Extra one-way latency per message, uniform in [0, this], seconds: real links and gossip hops vary."""
+    start_spread_s: float = 0.0
+    """Each peer starts at a time uniform in [0, this], seconds: real peers never start together."""
+    phase_jitter: float = 0.0
+    """Each inner phase lasts (1 + uniform(-j, j)) times its nominal time: a shared machine's noise."""
+    timing_seed: int = 0
+    """Seed of the timing noise (start spread, phase and latency jitter), apart from the run's seed."""
     crash: tuple[str, ...] = ()
     """Scripted crashes PEER@SECONDS, comma-separated (e.g. 2@300): the peer dies, its phase is lost."""
     join: tuple[str, ...] = ()
@@ -304,6 +361,9 @@ class SimConfig:
         _require(self.bandwidth_mbps > 0, f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
         _require(0 <= self.loss < 1, f"loss must be in [0, 1), got {self.loss}")
         _require(self.anti_entropy_s > 0, f"anti_entropy_s must be > 0, got {self.anti_entropy_s}")
+        _require(self.latency_jitter_s >= 0, f"latency_jitter_s must be >= 0, got {self.latency_jitter_s}")
+        _require(self.start_spread_s >= 0, f"start_spread_s must be >= 0, got {self.start_spread_s}")
+        _require(0 <= self.phase_jitter < 1, f"phase_jitter must be in [0, 1), got {self.phase_jitter}")
         _require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
         speeds = self.speed_factors()
         _require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")

@@ -20,9 +20,11 @@ Handler = Callable[[bytes, str], None]  # (data, sender)
 
 class MemoryNetwork:
     def __init__(self, queue: EventQueue, *, latency_s: float, bandwidth_mbps: float, loss: float,
-                 rng: random.Random):
+                 rng: random.Random, latency_jitter_s: float = 0.0, jitter_rng: random.Random | None = None):
         self.queue = queue
         self.latency_s = latency_s
+        self.latency_jitter_s = latency_jitter_s
+        self.jitter_rng = jitter_rng or rng
         self.bytes_per_s = bandwidth_mbps * 1e6 / 8
         self.loss = loss
         self.rng = rng
@@ -48,7 +50,10 @@ class MemoryNetwork:
             self.messages_lost += 1
             return
         self.in_flight += 1
-        self.queue.push(done + self.latency_s, self._deliver, src, dst, data)
+        latency = self.latency_s
+        if self.latency_jitter_s:
+            latency += self.jitter_rng.uniform(0.0, self.latency_jitter_s)
+        self.queue.push(done + latency, self._deliver, src, dst, data)
 
     def broadcast(self, src: str, data: bytes) -> None:
         """Full dissemination: one copy to every other attached peer (random order, like gossip targets)."""

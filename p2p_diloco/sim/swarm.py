@@ -42,6 +42,7 @@ class SimPeer:
     busy: bool = False  # inside an inner phase
     phase: Phase | None = None
     phase_started: float = 0.0
+    step_s: float = 1.0  # simulated seconds per inner step in the current phase (speed and jitter)
     incarnation: int = 0
     compute_s: float = 0.0
     joined_at: float = 0.0
@@ -62,12 +63,16 @@ class AsyncSwarm:
         self.progress = progress
         self.rng = random.Random(spec.seed)
         self.queue = EventQueue()
+        # Timing noise has its own generator, so that turning it on leaves the other draws unchanged.
+        self.timing_rng = random.Random(f"{spec.seed}/{sim.timing_seed}")
         self.net = MemoryNetwork(self.queue, latency_s=sim.latency_s, bandwidth_mbps=sim.bandwidth_mbps,
-                                 loss=sim.loss, rng=self.rng)
+                                 loss=sim.loss, rng=self.rng, latency_jitter_s=sim.latency_jitter_s,
+                                 jitter_rng=self.timing_rng)
         self.num_shards = sim.peers + len(sim.joins())
         self.peers: list[SimPeer] = []
         self.steps_started = 0  # the budget: phases are admitted against it when they start
         self.steps_published = 0  # the loss curve's x: steps whose update has been published
+        self.starting = 0  # peers whose first phase is still scheduled (start_spread_s)
         self.eval_set = eval_batches(corpus, block_size=spec.model.block_size, batch_size=spec.data.batch_size,
                                      num_batches=sim.eval_batches)
         self.curve: list[EvalPoint] = []
@@ -115,15 +120,23 @@ class AsyncSwarm:
         peer.busy = True
         peer.phase = peer.learner.begin_phase()
         peer.phase_started = self.queue.now
+        jitter = self.sim.phase_jitter
+        noise = self.timing_rng.uniform(-jitter, jitter) if jitter else 0.0
+        peer.step_s = self.sim.step_time_s / peer.speed * (1 + noise)
         self.queue.push(self.queue.now + self._phase_s(peer), self._end_phase, peer, peer.incarnation)
 
+    def _late_start(self, peer: SimPeer) -> None:
+        """A peer that arrives after the others (start_spread_s): its lifetime begins now."""
+        self.starting -= 1
+        peer.joined_at = self.queue.now
+        self._start_phase(peer)
+
     def _phase_s(self, peer: SimPeer) -> float:
-        return self.spec.inner.inner_steps * self.sim.step_time_s / peer.speed
+        return self.spec.inner.inner_steps * peer.step_s
 
     def _advance(self, peer: SimPeer) -> None:
         """Run the inner steps this peer would have finished by now on its simulated clock."""
-        step_s = self.sim.step_time_s / peer.speed
-        due = min(self.spec.inner.inner_steps, int((self.queue.now - peer.phase_started) / step_s + 1e-9))
+        due = min(self.spec.inner.inner_steps, int((self.queue.now - peer.phase_started) / peer.step_s + 1e-9))
         if due > peer.phase.steps_done:
             peer.learner.run_inner(peer.phase, due - peer.phase.steps_done)
 
@@ -162,7 +175,7 @@ class AsyncSwarm:
 
     def _quiet(self) -> bool:
         alive = self._alive()
-        if any(p.busy for p in alive) or self.net.in_flight:
+        if self.starting or any(p.busy for p in alive) or self.net.in_flight:
             return False
         vectors = {p.learner.replica.version_vector for p in alive}
         return len(vectors) <= 1
@@ -196,7 +209,7 @@ class AsyncSwarm:
             tokens = self.steps_published * self.spec.data.batch_size * self.spec.model.block_size
             loss = alive[0].learner.evaluate(self.eval_set)
             self.curve.append(EvalPoint(time_s=self.queue.now, tokens=tokens, loss=loss))
-        if any(p.busy for p in alive):
+        if self.starting or any(p.busy for p in alive):
             self.queue.push(self.queue.now + self.eval_every_s, self._eval_point)
 
     def run(self) -> SimResult:
@@ -207,7 +220,11 @@ class AsyncSwarm:
         for at in self.sim.joins():
             self.queue.push(at, self._join)
         for peer in self.peers:
-            self._start_phase(peer)
+            if self.sim.start_spread_s:
+                self.starting += 1
+                self.queue.push(self.timing_rng.uniform(0.0, self.sim.start_spread_s), self._late_start, peer)
+            else:
+                self._start_phase(peer)
         self.queue.push(0.0, self._eval_point)
         self.queue.push(self.sim.anti_entropy_s, self._anti_entropy)
         self.queue.run()
