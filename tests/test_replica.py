@@ -137,7 +137,7 @@ def test_gap_is_buffered_then_released_in_order() -> None:
 
 
 def test_buffer_bound_is_enforced_across_senders() -> None:
-    r = replica(max_buffered=2)
+    r = replica(max_buffered=2, max_sender_share=1.0)  # the total bound only; per sender: see below
     assert r.offer(make("a", 3))[0] is MergeOutcome.BUFFERED
     assert r.offer(make("b", 2))[0] is MergeOutcome.BUFFERED
     assert r.offer(make("a", 4))[0] is MergeOutcome.REJECTED_BUFFER_FULL
@@ -222,15 +222,24 @@ def test_merge_that_would_overflow_theta_is_refused() -> None:
     assert torch.isfinite(r.theta).all()
 
 
-def test_poisoned_successor_stops_the_release_chain() -> None:
+def test_poisoned_update_is_refused_before_it_is_buffered() -> None:
+    # Whatever a replica keeps (and its peer serves to others) passed every check of the update alone.
     r = replica()
-    u1, u3 = make("a", 1, seed=1), make("a", 3, seed=3)
     bad2 = make("a", 2, payload=[float("nan")] * DIM)
-    r.offer(bad2)
+    assert r.offer(bad2) == (MergeOutcome.REJECTED_NONFINITE, [])
+    assert "a" in r.banned and r.n_buffered == 0
+    assert r.offer(make("a", 1))[0] is MergeOutcome.REJECTED_BANNED
+
+
+def test_successor_failing_at_merge_stops_the_release_chain() -> None:
+    # Finite on its own, overflowing on this theta: found only at merge time.
+    r = Replica(torch.full((DIM,), 3e38), outer_lr=1.0, max_weight=1.0, decode=decode)
+    u1, u3 = make("a", 1, payload=[1.0] * DIM), make("a", 3, payload=[1.0] * DIM)
+    assert r.offer(make("a", 2, payload=[-3e38] * DIM))[0] is MergeOutcome.BUFFERED
     r.offer(u3)
     assert r.offer(u1) == (MergeOutcome.MERGED, [u1])
     assert r.version_vector.get("a") == 1 and "a" in r.banned and r.n_buffered == 0
-    assert torch.allclose(r.theta, reference([u1]), atol=1e-6)
+    assert r.stats["rejected_nonfinite"] == 1
 
 
 def test_weight_is_clamped() -> None:
@@ -361,3 +370,190 @@ def test_concurrent_offers_of_the_same_updates_merge_each_once() -> None:
     assert sorted(merged[0] + merged[1], key=lambda u: (u.sender, u.seq)) == updates  # each exactly once
     assert r.stats["merged"] == len(updates)
     assert torch.allclose(r.theta, reference(updates), rtol=1e-5, atol=1e-5)
+
+
+# --- bounded buffer, per sender -------------------------------------------------------------------------------
+
+def test_buffer_is_bounded_per_sender_by_count_and_bytes() -> None:
+    r = replica(max_buffered=8, max_buffered_bytes=10 * 4 * DIM, max_sender_share=0.25)  # 2 updates per sender
+    assert [r.offer(make("a", q))[0] for q in (3, 4, 5)] == [MergeOutcome.BUFFERED] * 2 + \
+        [MergeOutcome.REJECTED_BUFFER_FULL]
+    assert r.offer(make("b", 3))[0] is MergeOutcome.BUFFERED  # another sender still has room
+    assert r.n_buffered == 3 and r.buffered_bytes == 3 * 4 * DIM
+    big = FakeUpdate("c", 3, b"big", 1.0, tuple([0.0] * DIM), nbytes=3 * 4 * DIM)  # over c's byte share
+    assert r.offer(big)[0] is MergeOutcome.REJECTED_BUFFER_FULL
+    assert r.offer(make("a", 1))[1] == [make("a", 1)]  # 2 waits for its own gap; 3, 4 wait behind it
+    assert r.n_buffered == 3
+
+
+def test_buffer_is_bounded_in_total_bytes() -> None:
+    r = replica(max_buffered=100, max_buffered_bytes=3 * 4 * DIM, max_sender_share=1.0)
+    outcomes = [r.offer(make(s, 2))[0] for s in SENDERS]
+    assert outcomes.count(MergeOutcome.BUFFERED) == 3 and r.buffered_bytes <= 3 * 4 * DIM
+
+
+# --- gaps that can never fill: skip, late merge, repair (the lost-update trap) ----------------------------------
+
+def gapped(**kwargs: object) -> Replica:
+    r = replica(**kwargs)
+    r.bind_rules(r.policy, gap_timeout_s=10.0, max_hole_span=3)
+    return r
+
+
+def test_a_gap_is_skipped_after_the_timeout_and_filled_late() -> None:
+    r = gapped()
+    ups = {q: make("a", q, seed=q) for q in range(1, 6)}
+    r.offer(ups[1], now_s=0.0)
+    assert r.offer(ups[3], now_s=1.0)[0] is MergeOutcome.BUFFERED
+    r.offer(ups[4], now_s=2.0)
+    assert r.expire_gaps(10.5) == ([], 0)  # the gap is dated from its first buffered update: 9.5 s old
+    merged, skipped = r.expire_gaps(11.0)
+    assert merged == [ups[3], ups[4]] and skipped == 1
+    assert r.version_vector.get("a") == 4 and r.version_vector.holes("a") == {2}
+    assert r.offer(ups[5])[1] == [ups[5]]
+    assert r.offer(ups[2]) == (MergeOutcome.MERGED, [ups[2]])  # late, exactly once
+    assert r.offer(ups[2])[0] is MergeOutcome.DUPLICATE
+    assert r.offer(make("a", 2, variant=1))[0] is MergeOutcome.EQUIVOCATION  # its id is known now
+    assert r.version_vector == VersionVector({"a": 5}) and r.stats["late_merged"] == 1
+    assert torch.allclose(r.theta, reference(ups.values()), atol=1e-6)
+
+
+def test_a_gap_wider_than_max_hole_span_waits() -> None:
+    r = gapped()
+    r.offer(make("a", 6), now_s=0.0)  # 1..5 missing: 5 > max_hole_span = 3
+    assert r.expire_gaps(100.0) == ([], 0) and r.n_buffered == 1 and r.version_vector.get("a") == 0
+
+
+def test_each_new_gap_waits_its_own_timeout() -> None:
+    r = gapped()
+    r.offer(make("a", 2), now_s=0.0)
+    r.offer(make("a", 4), now_s=0.0)
+    assert r.expire_gaps(20.0)[1] == 1 and r.version_vector.get("a") == 2  # 1 skipped; 3 now missing
+    assert r.expire_gaps(25.0)[1] == 0
+    assert r.expire_gaps(30.0)[1] == 1 and r.version_vector.holes("a") == {1, 3}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_replicas_that_skipped_converge_with_those_that_did_not(data: st.DataObject) -> None:
+    """A replica that lost some updates skips them; once they turn up (anti-entropy) it equals one that never
+    lost any. Two replicas that lost the same updates for good are equal to each other."""
+    updates = [u for u in data.draw(update_sets())]
+    lost = set(data.draw(st.sets(st.sampled_from([(u.sender, u.seq) for u in updates]))))
+    full = replica()
+    for u in data.draw(st.permutations(updates)):
+        full.offer(u)
+    partial = [gapped(), gapped()]
+    for r in partial:
+        for u in data.draw(st.permutations(updates)):
+            if (u.sender, u.seq) not in lost:
+                r.offer(u, now_s=0.0)
+        for k in range(1, 4):  # a sender of <= 4 seqs has at most 2 gaps; each waits its own timeout
+            r.expire_gaps(1000.0 * k)
+    kept = [u for u in updates if (u.sender, u.seq) not in lost]
+    (ta, va), (tb, vb) = (r.snapshot() for r in partial)
+    # without the lost ones: every kept update merged (gaps of <= 3 seqs are skipped), equal to each other
+    assert all(va.has(u.sender, u.seq) for u in kept) and va.total() == len(kept)
+    assert va == vb and torch.allclose(ta, tb, atol=1e-5)
+    assert torch.allclose(ta, reference(kept), atol=1e-5)
+    # the lost ones turn up late, in any order: equal to the replica that never lost any
+    for u in data.draw(st.permutations(updates)):
+        partial[0].offer(u)
+    assert partial[0].version_vector == full.version_vector
+    assert torch.allclose(partial[0].theta, full.theta, atol=1e-5)
+
+
+def test_a_replica_that_merged_what_others_skipped_adopts_their_state() -> None:
+    """Seq 2 reached only `lucky`, whose store lost it; `others` skipped it. Pulls can never make them equal."""
+    from p2p_diloco.sync.store import UpdateStore
+
+    ups = {q: make("a", q, seed=q) for q in range(1, 5)}
+    lucky, other = gapped(), gapped()
+    lucky_store = UpdateStore(10**6)
+    for q in (1, 2, 3, 4):
+        lucky.offer(ups[q])
+        if q != 2:
+            lucky_store.add(ups[q])
+    lucky.offer(make("b", 1, seed=9))  # something only lucky has, still held: survives the repair
+    lucky_store.add(make("b", 1, seed=9))
+    for q in (1, 3, 4):
+        other.offer(ups[q], now_s=0.0)
+    other.expire_gaps(100.0)
+    assert other.version_vector.holes("a") == {2}
+    assert lucky_store.unservable_for(lucky.version_vector, other.version_vector) == [("a", 2)]
+    assert lucky_store.unservable_for(other.version_vector, lucky.version_vector) == []
+    theta, vv = other.snapshot()
+    merged = lucky.adopt(theta, vv, lucky_store.missing_for(vv, limit=100))
+    assert merged == [make("b", 1, seed=9)]
+    other.offer(make("b", 1, seed=9))
+    assert lucky.version_vector == other.version_vector
+    assert torch.allclose(lucky.theta, other.theta, atol=1e-6)
+    assert torch.allclose(lucky.theta, reference([ups[1], ups[3], ups[4], make("b", 1, seed=9)]), atol=1e-6)
+
+
+# --- bans, the check hook, the merge policy ---------------------------------------------------------------------
+
+def test_public_ban_drops_buffered_and_tells_listeners() -> None:
+    r = replica()
+    told: list[str] = []
+    r.add_ban_listener(told.append)
+    r.add_ban_listener(lambda s: 1 / 0)  # a broken listener changes nothing
+    r.offer(make("a", 3))
+    assert r.ban("a", "evidence from a peer") and told == ["a"] and r.n_buffered == 0
+    assert not r.ban("a", "again") and told == ["a"]
+    assert r.offer(make("a", 1))[0] is MergeOutcome.REJECTED_BANNED
+
+
+def test_the_check_hook_runs_after_the_seq_checks_and_bans() -> None:
+    r = replica()
+    u1 = make("a", 1)
+    r.offer(u1)
+    bad = lambda u: "bad_layout"  # noqa: E731
+    assert r.offer(u1, check=bad)[0] is MergeOutcome.DUPLICATE  # the earlier check wins
+    assert r.offer(make("a", 1, variant=1), check=bad)[0] is MergeOutcome.EQUIVOCATION
+    assert r.offer(make("b", 5), check=bad)[0] is MergeOutcome.REJECTED_LAYOUT  # before buffering
+    assert "b" in r.banned and r.n_buffered == 0
+    assert r.offer(make("b", 1), check=bad)[0] is MergeOutcome.REJECTED_BANNED
+
+
+def test_conflicts_keep_the_buffered_earlier_update() -> None:
+    r = replica()
+    first, second = make("a", 4, seed=1), make("a", 4, seed=2, variant=1)
+    r.offer(first)
+    r.offer(second)
+    conflict = r.conflicts["a"]
+    assert (conflict.seq, conflict.first, conflict.second, conflict.first_id) == (4, first, second, first.update_id)
+
+
+def test_norm_bound_rejects_and_bans_after_the_finiteness_check() -> None:
+    from p2p_diloco.config import DefenceConfig
+    from p2p_diloco.sync.robust import MergePolicy
+
+    r = replica()
+    r.bind_rules(MergePolicy(DefenceConfig(norm_bound=2.0), coord_bound=1.0), gap_timeout_s=60.0, max_hole_span=4)
+    assert r.offer(make("a", 1, payload=[1.9] * DIM))[0] is MergeOutcome.MERGED
+    assert r.offer(make("b", 1, payload=[float("nan"), 5.0] + [0.0] * (DIM - 2)))[0] is \
+        MergeOutcome.REJECTED_NONFINITE  # fails both: the earlier check names it
+    theta, vv = r.snapshot()
+    assert r.offer(make("c", 3, payload=[0.0] * (DIM - 1) + [-2.5]))[0] is MergeOutcome.REJECTED_NORM  # buffered? no
+    assert r.offer(make("a", 2, payload=[2.5] * DIM))[0] is MergeOutcome.REJECTED_NORM
+    assert {"a", "b", "c"} <= r.banned and torch.equal(r.theta, theta) and r.version_vector == vv
+    assert r.stats["norm_bound"] == 2
+
+
+def test_centered_clip_merges_unclipped_updates_exactly() -> None:
+    from p2p_diloco.config import DefenceConfig
+    from p2p_diloco.sync.robust import MergePolicy
+
+    plain, clipped = replica(), replica()
+    clipped.bind_rules(MergePolicy(DefenceConfig(norm_bound=0.0, aggregation="centered_clip", clip_window=4,
+                                                 clip_radius=100.0), 1.0), gap_timeout_s=60.0, max_hole_span=4)
+    ups = [make(s, q, seed=10 * q + i) for q in range(1, 4) for i, s in enumerate(SENDERS)]
+    for u in ups:
+        plain.offer(u)
+        clipped.offer(u)
+    assert torch.equal(plain.theta, clipped.theta)  # a huge radius clips nothing: bit-identical
+    outlier = make("a", 4, payload=[1e4] * DIM)
+    clipped.offer(outlier)
+    plain.offer(outlier)
+    assert float(clipped.theta.abs().max()) < float(plain.theta.abs().max()) / 10

@@ -128,3 +128,113 @@ def test_from_dict_bounds_size() -> None:
     with pytest.raises(ValueError, match="bound"):
         VersionVector.from_dict(data, max_senders=10)
     assert VersionVector.from_dict(data, max_senders=11).total() == 11
+
+
+# --- holes: the vector of any merged set, built one update at a time in any order --------------------------
+
+merged_sets = st.dictionaries(st.sampled_from(SENDERS), st.sets(st.integers(1, 12), min_size=1), max_size=4)
+
+
+def build(merged: dict[str, set[int]], order: list[tuple[str, int]] | None = None) -> VersionVector:
+    """The vector of `merged` via `with_merged`, in `order` (default: sorted)."""
+    vv = VersionVector()
+    for sender, seq in order if order is not None else sorted((s, q) for s, qs in merged.items() for q in qs):
+        vv = vv.with_merged(sender, seq)
+    return vv
+
+
+def as_set(merged: dict[str, set[int]]) -> set[tuple[str, int]]:
+    return {(s, q) for s, qs in merged.items() for q in qs}
+
+
+@given(merged_sets, st.randoms(use_true_random=False))
+def test_with_merged_names_exactly_the_set_whatever_the_order(merged: dict[str, set[int]], rnd) -> None:
+    order = sorted(as_set(merged))
+    rnd.shuffle(order)
+    a, b = build(merged), build(merged, order)
+    assert a == b and a.digest() == b.digest() and hash(a) == hash(b)
+    for sender in SENDERS:
+        seqs = merged.get(sender, set())
+        assert a.get(sender) == max(seqs, default=0)
+        assert a.holes(sender) == frozenset(range(1, a.get(sender))) - seqs
+        for q in range(0, 14):
+            assert a.has(sender, q) == (q in seqs)
+    assert a.total() == len(as_set(merged))
+
+
+@given(merged_sets)
+def test_with_merged_refuses_a_second_merge(merged: dict[str, set[int]]) -> None:
+    vv = build(merged)
+    for sender, seq in as_set(merged):
+        with pytest.raises(ValueError):
+            vv.with_merged(sender, seq)
+
+
+@given(merged_sets, merged_sets, merged_sets)
+def test_set_algebra_with_holes(ma: dict[str, set[int]], mb: dict[str, set[int]], mc: dict[str, set[int]]) -> None:
+    a, b, c = build(ma), build(mb), build(mc)
+    sa, sb = as_set(ma), as_set(mb)
+    union = {s: ma.get(s, set()) | mb.get(s, set()) for s in set(ma) | set(mb)}
+    assert a.merge(b) == b.merge(a) == build(union)  # union of the merged sets, commutative
+    assert a.merge(b).merge(c) == a.merge(b.merge(c)) and a.merge(a) == a
+    assert a.dominates(b) == (sb <= sa) == (a.merge(b) == a)
+    assert a.staleness(b) == len(sa - sb)
+    assert (a == b) == (sa == sb) == (a.digest() == b.digest())
+    assert a.merge(b).dominates(a) and a.merge(b).dominates(b)
+
+
+@given(merged_sets)
+def test_holes_round_trip_through_dicts(merged: dict[str, set[int]]) -> None:
+    vv = build(merged)
+    back = VersionVector.from_dict(vv.to_dict(), holes=vv.holes_dict())
+    assert back == vv and back.digest() == vv.digest()
+    assert VersionVector(vv.to_dict(), vv.holes_dict()) == vv
+    if vv.n_holes:  # without its holes it is another set: the entries alone claim more
+        assert VersionVector.from_dict(vv.to_dict()) != vv
+        assert VersionVector.from_dict(vv.to_dict()).dominates(vv)
+
+
+def test_hole_free_vectors_keep_their_digest() -> None:
+    # peers that never skip must agree on digests with peers that predate holes
+    assert VersionVector({"a": 2}).with_merged("a", 3).digest() == VersionVector({"a": 3}).digest()
+    assert VersionVector({"a": 3}).digest().hex().startswith(VersionVector.from_dict({"a": 3}).digest().hex())
+
+
+def test_skip_then_late_merge() -> None:
+    vv = VersionVector({"a": 1}).with_merged("a", 4)  # 2 and 3 skipped
+    assert vv.get("a") == 4 and vv.holes("a") == {2, 3} and vv.total() == 2
+    assert vv.missing_from(VersionVector({"a": 6})) == {"a": (5, 6)}
+    late = vv.with_merged("a", 3)
+    assert late.holes("a") == {2} and late.total() == 3 and late.staleness(vv) == 1
+    assert late.with_merged("a", 2) == VersionVector({"a": 4})
+
+
+@pytest.mark.parametrize("holes", [
+    {"a": [3]},        # not below the entry
+    {"a": [0]},
+    {"a": [True]},
+    {"b": [1]},        # sender without an entry
+    {"a": "1"},
+    [("a", 1)],
+])
+def test_from_dict_rejects_malformed_holes(holes: object) -> None:
+    with pytest.raises(ValueError):
+        VersionVector.from_dict({"a": 3}, holes=holes)  # type: ignore[arg-type]
+
+
+def test_holes_are_bounded() -> None:
+    from p2p_diloco.sync.version_vector import MAX_HOLES
+    with pytest.raises(ValueError, match="holes"):
+        VersionVector().with_merged("a", MAX_HOLES + 2)
+    with pytest.raises(ValueError, match="holes"):
+        VersionVector.from_dict({"a": MAX_HOLES + 2}, holes={"a": list(range(1, MAX_HOLES + 2))})
+
+
+def test_unservable_merges_names_what_only_we_merged_and_cannot_serve() -> None:
+    from p2p_diloco.sync.version_vector import unservable_merges
+    local = VersionVector({"a": 5, "b": 2})
+    remote = VersionVector({"a": 1}).with_merged("a", 5).with_merged("b", 3)  # skipped a2..a4, b1, b2
+    assert remote.holes("a") == {2, 3, 4} and remote.holes("b") == {1, 2}
+    held = {("a", 3), ("b", 1)}
+    assert unservable_merges(local, remote, lambda s, q: (s, q) in held) == [("a", 2), ("a", 4), ("b", 2)]
+    assert unservable_merges(remote, local, lambda s, q: False) == []  # the skipping side never yields

@@ -1,11 +1,36 @@
-"""Intake: the checks every incoming update meets, in order, before it reaches the replica.
+"""Intake: the checks every incoming update meets, in order, before it reaches the replica's theta.
 
-size -> envelope format -> run id and spec hash -> signature -> payload digest (all in `decode_update`)
--> codec and tensor layout against the RunSpec -> (sender, seq) against the version vector, finiteness
-(in `Replica.offer`). Nothing is decompressed before the signature and digest have been checked, and the
-payload's exact size is known from the RunSpec before any tensor is built.
+    1. size limit                             decode_update ("oversize")
+    2. envelope format version                decode_update ("malformed", "format_version", "bad_header")
+    3. run id and spec hash                   decode_update ("wrong_run", "wrong_spec")
+    4. sender's PeerID and signature          decode_update ("bad_header" for a PeerID that is no Ed25519 key,
+                                              "bad_signature")
+    5. payload digest                         decode_update ("bad_digest"); then the sender against the
+                                              RunSpec's allowed_senders ("not_allowed")
+    6. (sender, seq) against the vector       Replica ("rejected_banned", "duplicate", "equivocation",
+                                              gap: "buffered" or "rejected_buffer_full")
+    7. codec and tensor layout vs the RunSpec `check_layout`, called by the replica ("bad_layout")
+    8. decompression with bounded output      the codec, numel from the RunSpec ("rejected_invalid")
+    9. all values finite                      Replica ("rejected_nonfinite")
+   10. norm bound                             MergePolicy.screen ("norm_bound")
+   11. merge                                  Replica (theta must stay finite: "rejected_nonfinite")
 
-Every rejection is counted by reason; the counters are what `status` shows.
+Nothing is decompressed before the signature and digest have been checked, and the payload's exact size is
+known from the RunSpec before any tensor is built (the allow list is checked once the signature has made
+the sender field mean something). A message failing two checks is rejected by the earlier one
+(tests/test_intake.py asserts the whole order). Signed rejections from steps 7-11 ban the sender (see
+`Replica`, rule 4); the replica runs them before it buffers an update too, so nothing a peer keeps and serves
+has failed a check of the update alone. Our codecs refuse non-finite values while decoding (step 8 reports
+"rejected_invalid"); step 9 catches what a decoder lets through and an overflowing weight.
+
+Every outcome is counted by reason in `counts` (what `status` shows: everything but merged, buffered and
+duplicate is a rejection) and logged once per (sender, reason) per interval. Events that are not outcomes of
+one message (gaps skipped, evidence kept or accepted) are counted in `events`.
+
+Binding the RunSpec: the constructor gives the replica the spec's merge policy and gap rules
+(`Replica.bind_rules`) and registers a ban listener that keeps the proof of an equivocation
+(`evidence`, raw envelopes re-verifiable with `sync.evidence.check_evidence`) and purges the banned sender
+from the attached `UpdateStore` (`attach_store`).
 """
 
 from __future__ import annotations
@@ -13,16 +38,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from p2p_diloco.config import RunSpec
-from p2p_diloco.sync.replica import MergeOutcome, Replica
+from p2p_diloco.sync.evidence import evidence_pair, verified_pair
+from p2p_diloco.sync.replica import Conflict, MergeOutcome, Replica, UpdateLike
+from p2p_diloco.sync.robust import MergePolicy
+from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.wire.codecs import Codec, get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, WireError, decode_update
 
 logger = logging.getLogger(__name__)
 
 HEADER_ALLOWANCE_BYTES = 4096  # msgpack framing + header + signature; generous, still a hard bound
+MAX_EVIDENCE = 16
+"""Proofs kept (the most recent senders'); each is two envelopes."""
+_NOT_REJECTIONS = (MergeOutcome.MERGED, MergeOutcome.BUFFERED, MergeOutcome.DUPLICATE)
 
 
 def max_update_bytes(spec: RunSpec, numel: int) -> int:
@@ -33,17 +65,33 @@ def max_update_bytes(spec: RunSpec, numel: int) -> int:
 class Intake:
     """Decode, validate and offer incoming updates to one replica, counting every outcome."""
 
-    def __init__(self, spec: RunSpec, numel: int, replica: Replica, *, log_interval_s: float = 30.0):
+    def __init__(self, spec: RunSpec, numel: int, replica: Replica, *, log_interval_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.spec = spec
         self.spec_hash = spec.spec_hash()
         self.numel = numel
         self.replica = replica
         self.codec: Codec = get_codec(spec.outer.codec, spec.outer.codec_block)
         self.max_bytes = max_update_bytes(spec, numel)
+        self.policy = MergePolicy.from_spec(spec)
+        replica.bind_rules(self.policy, gap_timeout_s=spec.defence.gap_timeout_s,
+                           max_hole_span=spec.defence.max_hole_span, clock=lambda: self.clock())
+        replica.add_ban_listener(self._on_ban)
+        self.allowed = frozenset(spec.defence.allowed_senders)
+        self.clock = clock  # seconds; the simulator sets its simulated clock (the replica reads it through us)
         self.counts: Counter[str] = Counter()
-        self._counts_lock = threading.Lock()  # the network side receives from worker threads
+        self.events: Counter[str] = Counter()
+        self.evidence: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()  # sender -> proof
+        self.store: UpdateStore | None = None
+        self._lock = threading.Lock()  # counts, events, evidence: the network side receives from worker threads
         self._last_log: dict[tuple[str, str], float] = {}
         self._log_interval_s = log_interval_s
+
+    def attach_store(self, store: UpdateStore) -> None:
+        """Use `store` for the earlier message of an equivocation, and purge banned senders from it."""
+        self.store = store
+        for sender in list(self.replica.banned):
+            store.ban(sender)
 
     def receive(self, data: bytes, *, source: str = "?") -> tuple[str, OuterUpdate | None]:
         """Check and merge one encoded update; returns (outcome or rejection reason, the update if decoded)."""
@@ -52,30 +100,89 @@ class Intake:
                                    spec_hash=self.spec_hash)
         except WireError as err:
             return self._reject(err.reason, source, str(err)), None
-        reason = self.check_layout(update)
-        if reason:
-            return self._reject(reason, update.sender, f"codec={update.header.codec} numel={update.header.numel}"), None
-        outcome, merged = self.replica.offer(update)
+        if self.allowed and update.sender not in self.allowed:
+            return self._reject("not_allowed", update.sender, f"seq={update.seq}"), None
+        now_s = self.clock()
+        outcome, merged = self.replica.offer(update, check=self.check_layout, now_s=now_s)
         # "merged" counts every merge this offer caused, buffered successors it released included.
-        with self._counts_lock:
+        with self._lock:
             self.counts["merged"] += len(merged)
             if outcome is not MergeOutcome.MERGED:
                 self.counts[outcome.value] += 1
-        if outcome not in (MergeOutcome.MERGED, MergeOutcome.BUFFERED, MergeOutcome.DUPLICATE):
+        if outcome not in _NOT_REJECTIONS:
             self._log(outcome.value, update.sender, f"seq={update.seq}")
+        self.expire_gaps(now_s)
         return outcome.value, update
 
-    def check_layout(self, update: OuterUpdate) -> str | None:
+    def expire_gaps(self, now_s: float | None = None) -> list[UpdateLike]:
+        """Skip gaps that waited longer than the RunSpec's gap_timeout_s (`Replica.expire_gaps`); called on
+        every receive, and worth calling from a timer (the gossip loop) so a quiet swarm skips too."""
+        merged, skipped = self.replica.expire_gaps(self.clock() if now_s is None else now_s)
+        if merged or skipped:
+            with self._lock:
+                self.counts["merged"] += len(merged)
+                self.events["holes_skipped"] += skipped
+        return merged
+
+    def accept_evidence(self, first: bytes, second: bytes) -> str:
+        """Verify a proof of equivocation received from another peer (`check_evidence`), then ban its sender
+        and keep the proof to pass on. Returns the sender; WireError (counted in `events`) if it is no proof."""
+        try:
+            sender, pair = verified_pair(first, second, run_id=self.spec.run_id, spec_hash=self.spec_hash,
+                                         max_bytes=self.max_bytes)
+        except WireError:
+            with self._lock:
+                self.events["evidence_rejected"] += 1
+            raise
+        with self._lock:
+            self._keep(sender, pair)
+            self.events["evidence_accepted"] += 1
+        self.replica.ban(sender, "equivocation evidence from another peer")
+        return sender
+
+    def check_layout(self, update: UpdateLike) -> str | None:
         """The codec and tensor layout must be the RunSpec's, so the payload size is known exactly."""
-        h = update.header
+        h = update.header  # type: ignore[attr-defined]
         if h.codec != self.spec.outer.codec or h.numel != self.numel:
             return "bad_layout"
-        if len(update.payload) != self.codec.payload_bytes(self.numel):
+        if len(update.payload) != self.codec.payload_bytes(self.numel):  # type: ignore[attr-defined]
             return "bad_layout"
         return None
 
+    def _on_ban(self, sender: str) -> None:
+        """Ban listener (runs under the replica's lock, before the store forgets the sender): keep the proof
+        if this ban was an equivocation we can prove, then purge the sender from the store."""
+        conflict = self.replica.conflicts.pop(sender, None)
+        if conflict is not None:
+            self._prove(sender, conflict)
+        if self.store is not None:
+            self.store.ban(sender)
+
+    def _prove(self, sender: str, conflict: Conflict) -> None:
+        first = conflict.first
+        if first is None and self.store is not None:
+            first = self.store.get(sender, conflict.seq)  # the merged one is normally still retained
+        complete = (isinstance(first, OuterUpdate) and isinstance(conflict.second, OuterUpdate)
+                    and first.update_id == conflict.first_id)
+        with self._lock:
+            if complete:
+                self._keep(sender, evidence_pair(first, conflict.second))  # type: ignore[arg-type]
+                self.events["evidence_kept"] += 1
+            else:
+                self.events["evidence_incomplete"] += 1  # banned here; not provable to others
+        if not complete:
+            logger.warning("equivocation without a provable pair sender=%s seq=%d (earlier update no longer "
+                           "held)", sender[:16], conflict.seq)
+
+    def _keep(self, sender: str, pair: tuple[bytes, bytes]) -> None:
+        """Under self._lock."""
+        if sender not in self.evidence:
+            self.evidence[sender] = pair
+            while len(self.evidence) > MAX_EVIDENCE:
+                self.evidence.popitem(last=False)
+
     def _reject(self, reason: str, sender: str, detail: str) -> str:
-        with self._counts_lock:
+        with self._lock:
             self.counts[reason] += 1
         self._log(reason, sender, detail)
         return reason
@@ -84,8 +191,11 @@ class Intake:
         # Once per (sender, reason) per interval: a hostile peer must not be able to flood our logs.
         now = time.monotonic()
         key = (sender, reason)
-        if len(self._last_log) > 4096:  # bounded: forged sender names must not grow this forever
-            self._last_log.clear()
-        if now - self._last_log.get(key, -1e18) >= self._log_interval_s:
-            self._last_log[key] = now
+        with self._lock:
+            if len(self._last_log) > 4096:  # bounded: forged sender names must not grow this forever
+                self._last_log.clear()
+            due = now - self._last_log.get(key, -1e18) >= self._log_interval_s
+            if due:
+                self._last_log[key] = now
+        if due:
             logger.warning("update rejected reason=%s sender=%s %s", reason, sender[:16], detail)

@@ -4,17 +4,28 @@ Peers keep recent updates in bounded bytes; the oldest (by insertion) go first. 
 than what the swarm retains does a state sync instead: `oldest_seq` lets it see that a gap can no longer be
 filled from us.
 
-Not thread-safe: the store belongs to the network loop (the compute thread hands its own updates over
-through the outbox).
+Holes: a remote vector's holes (seqs it skipped, `VersionVector.holes`) are served like seqs above its entry,
+so anti-entropy fills them too. An update we merged, the remote skipped and we no longer hold can never reach
+it: `unservable_for` names those, and the repair is `Replica.adopt` (DESIGN.md section 4, "Repair").
+
+Bans: `ban(sender)` drops a banned sender's updates and refuses new ones, so they are never served again
+(`Intake.attach_store` wires it to `Replica.ban`). The banned set is bounded (`MAX_BANNED`).
+
+Thread-safe: the network loop adds and serves, while `Intake` (in worker threads) looks up the earlier message
+of an equivocation and bans; one lock guards every method.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import OrderedDict
 
 from p2p_diloco.sync.replica import UpdateLike
-from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.sync.version_vector import VersionVector, unservable_merges
+
+MAX_BANNED = 100_000
+"""Bound on remembered banned senders (older bans are forgotten first; the replica keeps its own set)."""
 
 
 class UpdateStore:
@@ -28,6 +39,8 @@ class UpdateStore:
         self._by_key: OrderedDict[tuple[str, int], tuple[UpdateLike, int]] = OrderedDict()
         self._seqs: dict[str, list[int]] = {}  # sender -> sorted seqs held
         self._nbytes = 0
+        self._banned: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -39,69 +52,100 @@ class UpdateStore:
 
     def add(self, update: UpdateLike) -> bool:
         """Keep `update`, evicting the oldest as needed. False if (sender, seq) is already held (the first
-        message wins; a different one is the replica's business: equivocation) or if the update alone is
-        larger than max_bytes (evicting everything for it would still not make it fit)."""
+        message wins; a different one is the replica's business: equivocation), if the update alone is
+        larger than max_bytes (evicting everything for it would still not make it fit), or if its sender is
+        banned."""
         key = (update.sender, update.seq)
         size = update.nbytes
         if size < 0:
             raise ValueError(f"update nbytes must be >= 0, got {size}")
-        if key in self._by_key or size > self.max_bytes:
-            return False
-        while self._nbytes + size > self.max_bytes:
-            self._remove(next(iter(self._by_key)))
-        self._by_key[key] = (update, size)
-        bisect.insort(self._seqs.setdefault(update.sender, []), update.seq)
-        self._nbytes += size
-        return True
+        with self._lock:
+            if key in self._by_key or size > self.max_bytes or update.sender in self._banned:
+                return False
+            while self._nbytes + size > self.max_bytes:
+                self._remove(next(iter(self._by_key)))
+            self._by_key[key] = (update, size)
+            bisect.insort(self._seqs.setdefault(update.sender, []), update.seq)
+            self._nbytes += size
+            return True
 
     def get(self, sender: str, seq: int) -> UpdateLike | None:
-        held = self._by_key.get((sender, seq))
-        return held[0] if held else None
+        with self._lock:
+            held = self._by_key.get((sender, seq))
+            return held[0] if held else None
 
     def has(self, sender: str, seq: int) -> bool:
-        return (sender, seq) in self._by_key
+        with self._lock:
+            return (sender, seq) in self._by_key
 
     def oldest_seq(self, sender: str) -> int | None:
         """Smallest seq of `sender` still held (None if none): a remote needing an older one must look
         elsewhere or state-sync."""
-        seqs = self._seqs.get(sender)
-        return seqs[0] if seqs else None
+        with self._lock:
+            seqs = self._seqs.get(sender)
+            return seqs[0] if seqs else None
 
     def senders(self) -> list[str]:
-        return list(self._seqs)
+        with self._lock:
+            return list(self._seqs)
 
     def missing_for(self, remote: VersionVector, limit: int) -> list[UpdateLike]:
-        """Updates we hold with `seq > remote[sender]`, at most `limit`, in seq order per sender.
+        """Updates we hold that `remote` has not merged (seq above its entry, or one of its holes), at most
+        `limit`, in seq order per sender.
 
         Senders are interleaved round-robin (each sender's lowest missing seq first), so that a tight limit
         still moves every sender's gap forward instead of serving one sender only: the remote can merge only
-        a sender's next seq, so the low seqs of all senders are worth more than the high seqs of one.
+        a sender's next seq (or a hole), so the low seqs of all senders are worth more than the high seqs of one.
         """
         if limit <= 0:
             return []
-        queues: list[list[int]] = []
-        senders: list[str] = []
-        for sender in sorted(self._seqs):
-            seqs = self._seqs[sender]
-            start = bisect.bisect_right(seqs, remote.get(sender))
-            if start < len(seqs):
-                senders.append(sender)
-                queues.append(seqs[start:start + limit])
-        out: list[UpdateLike] = []
-        rank = 0
-        while len(out) < limit and any(rank < len(q) for q in queues):
-            for sender, queue in zip(senders, queues, strict=True):
-                if rank < len(queue) and len(out) < limit:
-                    out.append(self._by_key[(sender, queue[rank])][0])
-            rank += 1
-        return out
+        with self._lock:
+            queues: list[list[int]] = []
+            senders: list[str] = []
+            for sender in sorted(self._seqs):
+                seqs = self._seqs[sender]
+                holes = sorted(q for q in remote.holes(sender) if (sender, q) in self._by_key)
+                start = bisect.bisect_right(seqs, remote.get(sender))
+                queue = (holes + seqs[start:start + limit])[:limit]  # holes are below the entry: still ascending
+                if queue:
+                    senders.append(sender)
+                    queues.append(queue)
+            out: list[UpdateLike] = []
+            rank = 0
+            while len(out) < limit and any(rank < len(q) for q in queues):
+                for sender, queue in zip(senders, queues, strict=True):
+                    if rank < len(queue) and len(out) < limit:
+                        out.append(self._by_key[(sender, queue[rank])][0])
+                rank += 1
+            return out
+
+    def unservable_for(self, local: VersionVector, remote: VersionVector) -> list[tuple[str, int]]:
+        """Updates `local` merged that `remote` skipped and this store no longer holds: pulls cannot make the
+        two replicas equal, `Replica.adopt` can (see `version_vector.unservable_merges`)."""
+        with self._lock:
+            return unservable_merges(local, remote, lambda sender, seq: (sender, seq) in self._by_key)
 
     def drop_sender(self, sender: str) -> int:
-        """Forget every update of `sender` (e.g. once it is banned); returns how many were dropped."""
-        seqs = list(self._seqs.get(sender, ()))
-        for seq in seqs:
-            self._remove((sender, seq))
-        return len(seqs)
+        """Forget every update of `sender`; returns how many were dropped."""
+        with self._lock:
+            seqs = list(self._seqs.get(sender, ()))
+            for seq in seqs:
+                self._remove((sender, seq))
+            return len(seqs)
+
+    def ban(self, sender: str) -> int:
+        """Drop `sender`'s updates and refuse its future ones (a banned sender's updates are never re-served);
+        returns how many were dropped."""
+        with self._lock:
+            self._banned.pop(sender, None)
+            self._banned[sender] = None
+            while len(self._banned) > MAX_BANNED:
+                self._banned.popitem(last=False)
+            return self.drop_sender(sender)
+
+    def is_banned(self, sender: str) -> bool:
+        with self._lock:
+            return sender in self._banned
 
     def _remove(self, key: tuple[str, int]) -> None:
         _, size = self._by_key.pop(key)

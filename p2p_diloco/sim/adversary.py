@@ -1,0 +1,196 @@
+"""Hostile peers for the in-process swarm (issue 5), in the fault-injection style of hivemind's FaultyAverager.
+
+A hostile peer trains like an honest one (so its updates look plausible in time and size), merges its honest
+update into its own replica, and publishes a tampered one instead:
+
+    nan        the payload carries a NaN (hand-made bytes: no codec encodes one)
+    scale      the payload is the honest one times `factor` (x100 in the benchmark)
+    sign_flip  the payload is minus the honest one
+    withhold   seqs in `withhold` are published to nobody and kept by nobody (the lost-update trap, issue 4);
+               with `release_at_s` they are sent to every live peer at that time instead
+
+Every tampered update is correctly signed: the defences under test are the receivers' (sync/intake.py,
+sync/robust.py), not the signature check. `HostileSwarm` is `AsyncSwarm` with such peers, its peers' intake
+on the simulated clock (gap timeouts), their stores attached to the intake (bans purge them), and the
+replica repair of DESIGN.md section 4 at every anti-entropy tick (`Replica.adopt` on `unservable_for`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from p2p_diloco.config import RunSpec, SimConfig
+from p2p_diloco.sim.result import SimResult, divergence
+from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.train.data import Corpus
+from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
+
+logger = logging.getLogger(__name__)
+
+
+class Hostility(str, Enum):
+    NAN = "nan"
+    SCALE = "scale"
+    SIGN_FLIP = "sign_flip"
+    WITHHOLD = "withhold"
+
+
+@dataclass(frozen=True)
+class Adversary:
+    """Peer `peer` of the swarm behaves as `mode`."""
+
+    peer: int
+    mode: Hostility
+    factor: float = 100.0
+    """scale: the payload's multiplier."""
+    withhold: tuple[int, ...] = (2,)
+    """withhold: the seqs nobody gets."""
+    release_at_s: float | None = None
+    """withhold: simulated time at which the withheld updates are sent after all (None: never)."""
+
+    def tamper(self, learner: Learner, honest: OuterUpdate) -> OuterUpdate:
+        """The update this peer publishes in place of `honest` (same slot, valid signature)."""
+        if self.mode is Hostility.WITHHOLD:
+            return honest
+        if self.mode is Hostility.NAN:
+            payload = _with_nan(honest.payload, learner.codec.name)
+        else:
+            d = learner.codec.decompress(honest.payload, honest.header.numel)
+            payload = learner.codec.compress(d * self.factor if self.mode is Hostility.SCALE else -d)
+        h = honest.header
+        return make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=h.seq, tau=h.tau, samples=h.samples,
+                           weight=h.weight, codec=h.codec, numel=h.numel, payload=payload,
+                           identity=learner.identity, created_at=h.created_at)
+
+
+def _with_nan(payload: bytes, codec: str) -> bytes:
+    """The payload with its first value (fp32, fp16) or first block scale (int8, int4) set to NaN."""
+    nan = struct.pack("<e", math.nan) if codec == "fp16" else struct.pack("<f", math.nan)
+    return nan + payload[len(nan):]
+
+
+class WithholdingStore(UpdateStore):
+    """The store of a peer that keeps nothing of its own withheld seqs (so nothing can serve them)."""
+
+    def __init__(self, max_bytes: int, owner: str, withheld: frozenset[int]) -> None:
+        super().__init__(max_bytes)
+        self.owner, self.withheld = owner, withheld
+
+    def add(self, update) -> bool:  # noqa: ANN001 (UpdateLike)
+        if update.sender == self.owner and update.seq in self.withheld:
+            return False
+        return super().add(update)
+
+
+class HostileSwarm(AsyncSwarm):
+    """The async swarm with hostile peers; `run()` as usual, then `honest_summary(result)`."""
+
+    def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, adversaries: Sequence[Adversary] = (), *,
+                 progress: Callable | None = None, weigh_banned: bool = True) -> None:
+        """`weigh_banned=False`: senders weight their updates as if the peers every live peer has banned were
+        gone (the plain simulator, like the real swarm's peer list, counts every live peer)."""
+        self.adversaries = {a.peer: a for a in adversaries}
+        self.repairs = 0
+        self.weigh_banned = weigh_banned
+        super().__init__(spec, sim, corpus, progress=progress)
+
+    def _add_peer(self, speed: float, state=None) -> SimPeer:  # noqa: ANN001
+        peer = super()._add_peer(speed, state)
+        intake = peer.learner.intake
+        intake.clock = lambda: self.queue.now  # gap timeouts in simulated seconds
+        adversary = self.adversaries.get(peer.index)
+        if adversary is not None:
+            self._make_hostile(peer, adversary)
+        intake.attach_store(peer.store)
+        return peer
+
+    def _make_hostile(self, peer: SimPeer, adversary: Adversary) -> None:
+        learner, honest_finish = peer.learner, peer.learner.finish_phase
+        withheld = frozenset(adversary.withhold) if adversary.mode is Hostility.WITHHOLD else frozenset()
+        if withheld:
+            peer.store = WithholdingStore(peer.store.max_bytes, learner.peer_id, withheld)
+            publish = peer.exchange.publish
+
+            def publish_some(update: OuterUpdate) -> None:
+                if update.seq not in withheld:
+                    publish(update)
+                elif adversary.release_at_s is not None:
+                    self.queue.push(max(self.queue.now, adversary.release_at_s), self._release, peer, update)
+
+            peer.exchange.publish = publish_some  # type: ignore[method-assign]
+
+        def finish_phase(phase, result, swarm) -> OuterUpdate:  # noqa: ANN001
+            return adversary.tamper(learner, honest_finish(phase, result, swarm))
+
+        learner.finish_phase = finish_phase  # type: ignore[method-assign]
+
+    def _view(self) -> SwarmView:
+        view = super()._view()
+        if self.weigh_banned:
+            return view
+        alive = self._alive()
+        judges = [p.learner.replica.banned for p in alive if p.index not in self.adversaries]
+        banned = set.intersection(*judges) if judges else set()
+        n = max(1, view.num_peers - sum(1 for p in alive if p.learner.peer_id in banned))
+        return SwarmView(num_peers=n, samples_per_round=n * self.spec.inner.inner_steps * self.spec.data.batch_size)
+
+    def _release(self, peer: SimPeer, update: OuterUpdate) -> None:
+        if peer.alive:
+            self.net.broadcast(peer.learner.peer_id, encode_update(update))
+            # Anti-entropy may have stopped (the swarm was quiet): the release is news to spread.
+            self.queue.push(self.queue.now + self.sim.anti_entropy_s, self._anti_entropy)
+
+    def _anti_entropy(self) -> None:
+        for peer in self._alive():
+            peer.learner.intake.expire_gaps()  # the timer a quiet swarm needs (nothing arrives to trigger it)
+        super()._anti_entropy()
+        self._repair()
+
+    def _repair(self) -> None:
+        """DESIGN.md section 4, "Repair": a replica that merged an update another skipped, and can no longer
+        serve it, adopts that peer's state and re-merges what it holds beyond it."""
+        alive = self._alive()
+        for peer in alive:
+            for other in alive:
+                if other is peer:
+                    continue
+                local, remote = peer.learner.replica.version_vector, other.learner.replica.version_vector
+                if peer.store.unservable_for(local, remote):
+                    theta, vv = other.learner.replica.snapshot()
+                    held = peer.store.missing_for(vv, limit=1 << 30)
+                    peer.learner.replica.adopt(theta, vv, held)
+                    self.repairs += 1
+                    logger.info("sim: peer %d adopted the state of peer %d (repair)", peer.index, other.index)
+                    break
+
+    def _quiet(self) -> bool:
+        # A poisoner's own replica never agrees with the others' (it merged its honest updates); a withholder's does.
+        alive = [p for p in self._alive()
+                 if p.index not in self.adversaries or self.adversaries[p.index].mode is Hostility.WITHHOLD]
+        if self.starting or any(p.busy for p in self._alive()) or self.net.in_flight:
+            return False
+        return len({p.learner.replica.version_vector for p in alive}) <= 1
+
+    def honest_summary(self, result: SimResult) -> dict:
+        """Eval loss, divergence and rejection counts over the honest peers only."""
+        honest = [p for p in self._alive() if p.index not in self.adversaries]
+        losses = [r.eval_loss for r in result.peers if r.index not in self.adversaries and r.eval_loss is not None]
+        thetas = [p.learner.replica.snapshot()[0] for p in honest]
+        rejected: dict[str, int] = {}
+        for p in honest:
+            for reason, n in p.learner.intake.counts.items():
+                rejected[reason] = rejected.get(reason, 0) + n
+        return {"eval_loss": float(sum(losses) / len(losses)) if losses else math.nan,
+                "divergence": divergence(thetas) if len(thetas) > 1 else 0.0,
+                "banned": sorted({s[-8:] for p in honest for s in p.learner.replica.banned}),
+                "counts": rejected, "repairs": self.repairs,
+                "finite": all(bool(torch.isfinite(t).all()) for t in thetas)}

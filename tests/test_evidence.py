@@ -1,0 +1,140 @@
+"""Equivocation evidence: made from what a peer saw, re-verified by any other peer before it bans too."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import pytest
+import torch
+
+from p2p_diloco.config import preset
+from p2p_diloco.sync.evidence import (
+    EvidenceError,
+    check_evidence,
+    decode_evidence,
+    encode_evidence,
+    evidence_pair,
+)
+from p2p_diloco.sync.intake import Intake
+from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.wire.codecs import get_codec
+from p2p_diloco.wire.envelope import OuterUpdate, WireError, encode_update, make_update
+from p2p_diloco.wire.identity import Identity
+
+SPEC = preset("test")
+NUMEL = 64
+CODEC = get_codec(SPEC.outer.codec, SPEC.outer.codec_block)
+KEYS = [Identity.generate() for _ in range(2)]
+
+
+def update(identity: Identity, seq: int, seed: int = 0, run_id: str | None = None) -> OuterUpdate:
+    d = torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * 0.01
+    return make_update(run_id=run_id or SPEC.run_id, spec_hash=SPEC.spec_hash(), seq=seq, tau=0, samples=8,
+                       weight=0.25, codec=SPEC.outer.codec, numel=NUMEL, payload=CODEC.compress(d), identity=identity)
+
+
+def intake(store: UpdateStore | None = None) -> Intake:
+    replica = Replica(torch.zeros(NUMEL), outer_lr=0.7, max_weight=1.0,
+                      decode=lambda u: CODEC.decompress(u.payload, u.header.numel))
+    result = Intake(SPEC, NUMEL, replica)
+    if store is not None:
+        result.attach_store(store)
+    return result
+
+
+def check(first: bytes, second: bytes) -> str:
+    return check_evidence(first, second, run_id=SPEC.run_id, spec_hash=SPEC.spec_hash(), max_bytes=1 << 20)
+
+
+def test_a_real_equivocation_is_evidence_in_either_order() -> None:
+    a, b = update(KEYS[0], 3, seed=1), update(KEYS[0], 3, seed=2)
+    first, second = evidence_pair(a, b)
+    assert check(first, second) == check(second, first) == KEYS[0].peer_id
+    assert evidence_pair(b, a) == (first, second)  # canonical order
+    assert decode_evidence(encode_evidence((first, second)), max_bytes=1 << 20) == (first, second)
+
+
+@pytest.mark.parametrize("make_pair, reason", [
+    (lambda: (lambda u: (u, u))(update(KEYS[0], 3, 1)), "bad_evidence"),  # one update twice
+    (lambda: (update(KEYS[0], 3, 1), update(KEYS[0], 4, 2)), "bad_evidence"),  # two slots
+    (lambda: (update(KEYS[0], 3, 1), update(KEYS[1], 3, 2)), "bad_evidence"),  # two senders
+    (lambda: (update(KEYS[0], 3, 1), update(KEYS[0], 3, 2, run_id="other")), "wrong_run"),
+])
+def test_what_is_not_evidence_is_refused(make_pair, reason: str) -> None:  # noqa: ANN001
+    a, b = make_pair()
+    with pytest.raises(WireError) as err:
+        check(encode_update(a), encode_update(b))
+    assert err.value.reason == reason
+
+
+def test_a_forged_second_update_is_refused() -> None:
+    a, b = update(KEYS[0], 3, seed=1), update(KEYS[1], 3, seed=2)
+    # KEYS[1]'s signature over a header that names KEYS[0]: anyone could frame anyone this way; they cannot.
+    forged = OuterUpdate(header=a.header, header_bytes=b.header_bytes, signature=b.signature, payload=b.payload)
+    with pytest.raises(WireError) as err:
+        check(encode_update(a), msgpack.packb({"v": 1, "h": a.header_bytes, "s": b.signature, "p": a.payload}))
+    assert err.value.reason == "bad_signature"
+    with pytest.raises(WireError):
+        check(encode_update(a), encode_update(forged))
+
+
+def test_evidence_errors_pickle_and_malformed_containers() -> None:
+    err = pickle.loads(pickle.dumps(EvidenceError("nope")))
+    assert isinstance(err, WireError) and err.reason == "bad_evidence"
+    for bad in (b"\x00", msgpack.packb([b"x"]), msgpack.packb([b"a", "b"]), msgpack.packb([b"a"] * 3), b"x" * 100):
+        with pytest.raises(EvidenceError):
+            decode_evidence(bad, max_bytes=16)
+
+
+def test_equivocation_against_a_merged_update_keeps_provable_evidence() -> None:
+    store = UpdateStore(1 << 20)
+    node = intake(store)
+    good, evil = update(KEYS[0], 1, seed=1), update(KEYS[0], 1, seed=2)
+    later = update(KEYS[0], 3, seed=3)
+    assert node.receive(encode_update(good))[0] == "merged"
+    store.add(good)  # as gossip does after a merge
+    assert node.receive(encode_update(later))[0] == "buffered"
+    store.add(later)
+    assert node.receive(encode_update(evil))[0] == "equivocation"
+    assert check(*node.evidence[KEYS[0].peer_id]) == KEYS[0].peer_id
+    assert node.events["evidence_kept"] == 1 and node.counts["equivocation"] == 1
+    assert KEYS[0].peer_id in node.replica.banned and store.senders() == []  # purged: never re-served
+    assert not store.add(update(KEYS[0], 2)) and store.is_banned(KEYS[0].peer_id)
+
+
+def test_equivocation_against_a_buffered_update_needs_no_store() -> None:
+    node = intake()
+    node.receive(encode_update(update(KEYS[0], 5, seed=1)))
+    assert node.receive(encode_update(update(KEYS[0], 5, seed=2)))[0] == "equivocation"
+    assert check(*node.evidence[KEYS[0].peer_id]) == KEYS[0].peer_id
+
+
+def test_evidence_without_the_earlier_message_bans_locally_only() -> None:
+    node = intake()  # no store: the merged update is gone
+    node.receive(encode_update(update(KEYS[0], 1, seed=1)))
+    assert node.receive(encode_update(update(KEYS[0], 1, seed=2)))[0] == "equivocation"
+    assert KEYS[0].peer_id in node.replica.banned and KEYS[0].peer_id not in node.evidence
+    assert node.events["evidence_incomplete"] == 1
+
+
+def test_another_peer_verifies_then_bans_and_purges() -> None:
+    witness = intake()
+    witness.receive(encode_update(update(KEYS[0], 2, seed=1)))
+    witness.receive(encode_update(update(KEYS[0], 2, seed=2)))
+    proof = encode_evidence(witness.evidence[KEYS[0].peer_id])
+
+    store = UpdateStore(1 << 20)
+    peer = intake(store)
+    honest_so_far = update(KEYS[0], 1, seed=7)
+    assert peer.receive(encode_update(honest_so_far))[0] == "merged"
+    store.add(honest_so_far)
+    with pytest.raises(WireError):  # a bogus proof changes nothing
+        peer.accept_evidence(encode_update(honest_so_far), encode_update(honest_so_far))
+    assert KEYS[0].peer_id not in peer.replica.banned and peer.events["evidence_rejected"] == 1
+    assert peer.accept_evidence(*decode_evidence(proof, max_bytes=peer.max_bytes)) == KEYS[0].peer_id
+    assert KEYS[0].peer_id in peer.replica.banned and store.senders() == []
+    assert peer.evidence[KEYS[0].peer_id] == witness.evidence[KEYS[0].peer_id]  # kept, to pass on
+    assert peer.receive(encode_update(update(KEYS[0], 2, seed=1)))[0] == "rejected_banned"
+    assert not peer.replica.ban(KEYS[0].peer_id, "again")  # already banned
