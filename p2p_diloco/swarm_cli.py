@@ -66,13 +66,19 @@ def add_swarm_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("join", help=text, description=text + ". Every peer of a run must hold the same RunSpec "
                        "(preset, --config and the run-spec options below); the defaults join the run 'default' "
                        "with the 'test' preset. Ctrl-C (or SIGTERM) leaves within seconds; SIGUSR1 ends the "
-                       "current round as the last one, then lingers like --rounds.")
+                       "current round as the last one, then lingers like --rounds. Run the same command again "
+                       "(same --identity and --out-dir or --checkpoint-dir) to resume from the newest checkpoint "
+                       "and catch up with the swarm.")
     add_spec_args(p, default_preset="test")
     add_dataclass_args(p, PeerConfig, PeerConfig(), title="this peer", dest="peer")
-    _static_dataclass_args(p, "p2p_diloco.net.gossip", "GossipConfig", title="gossip", dest="gossip",
+    _static_dataclass_args(p, "p2p_diloco.net.gossip_messages", "GossipConfig", title="gossip", dest="gossip",
                            prefix="gossip")
     _static_dataclass_args(p, "p2p_diloco.net.statesync", "StateSyncConfig", title="state sync (joining)",
                            dest="statesync", prefix="sync")
+    _static_dataclass_args(p, "p2p_diloco.net.policy", "AccessConfig", title="closed runs (allow list, run secret)",
+                           dest="access", prefix="")
+    _static_dataclass_args(p, "p2p_diloco.net.policy", "RateLimitConfig", title="rate limits (per remote peer)",
+                           dest="rate", prefix="rate")
     p.set_defaults(func=cmd_join)
 
     text = "show a run's live peers: versions, throughput, loss, staleness"
@@ -98,23 +104,44 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2p_diloco.net.gossip import GossipConfig
     from p2p_diloco.net.node import NodeError
     from p2p_diloco.net.peer import Peer, PeerConfig, install_stop_handlers
+    from p2p_diloco.net.policy import AccessConfig, NetPolicy, RateLimitConfig
     from p2p_diloco.net.statesync import StateSyncConfig, StateSyncError
     from p2p_diloco.wire.identity import IdentityError
 
     try:
-        spec = load_spec(args)
         config = apply_args(PeerConfig(), args, "peer").validate()
         gossip_config = apply_args(GossipConfig(), args, "gossip").validate()
         sync_config = apply_args(StateSyncConfig(), args, "statesync").validate()
+        policy = NetPolicy(apply_args(AccessConfig(), args, "access").validate(),
+                           apply_args(RateLimitConfig(), args, "rate").validate())
+        spec = with_allow_list(load_spec(args), policy.access.allow_peers)
+        policy.access.secret()  # an unreadable or empty secret file fails here, before the node starts
     except (CliError, ValueError) as err:  # every config's validate() raises a ValueError (ConfigError is one)
         return _fail("join", err)
     stop, finish = threading.Event(), threading.Event()
     install_stop_handlers(stop, finish)
     try:
         return Peer(spec, config, gossip_config=gossip_config, sync_config=sync_config, stop=stop,
-                    finish=finish).run()
-    except (ConfigError, IdentityError, NodeError, StateSyncError) as err:  # spec mismatch, corpus, key, network
-        return _fail("join", err)
+                    finish=finish, policy=policy).run()
+    except (ConfigError, IdentityError, NodeError, StateSyncError) as err:  # spec mismatch, corpus, key, network,
+        return _fail("join", err)  # and a refusal (AccessDenied: not allowed in this run, and why)
+
+
+def with_allow_list(spec: Any, path: str) -> Any:
+    """The spec with the allow list of `path` (`--allow-peers FILE`) as its defence.allowed_senders. The list is
+    part of the RunSpec, and of its hash, so every peer of the run merges updates of exactly the same senders."""
+    import dataclasses
+
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.net.policy import load_allow_list
+
+    if not path:
+        return spec
+    peers = load_allow_list(path)
+    given = tuple(sorted(spec.defence.allowed_senders))
+    if given and given != peers:
+        raise ConfigError(f"--allow-peers {path} and --allowed-senders name different peers; give one of them")
+    return dataclasses.replace(spec, defence=dataclasses.replace(spec.defence, allowed_senders=peers)).validate()
 
 
 # ---------------------------------------------------------------------------------------------- bootstrap
@@ -145,9 +172,9 @@ async def _bootstrap(config: BootstrapConfig, stop: Any) -> None:
 
     from p2p_diloco.config import ConfigError
     from p2p_diloco.net.discovery import PeerRecordValidator, list_peers
+    from p2p_diloco.net.netloop import exit_with_parent
     from p2p_diloco.net.node import NodeConfig, SwarmNode
     from p2p_diloco.net.peer import announce_maddr, listen_maddr
-    from p2p_diloco.net.peer_network import exit_with_parent
     from p2p_diloco.net.status import live
     from p2p_diloco.wire.identity import Identity
 
@@ -203,9 +230,9 @@ async def _status(args: argparse.Namespace) -> int:
     import json
     import tempfile
 
-    from p2p_diloco.net.discovery import fetch_run_spec, list_peers
+    from p2p_diloco.net.discovery import PeerRecordValidator, fetch_run_spec, list_peers
     from p2p_diloco.net.node import NodeConfig, SwarmNode, parse_multiaddr
-    from p2p_diloco.net.status import status_table
+    from p2p_diloco.net.status import rejection_details, status_table
     from p2p_diloco.wire.identity import Identity
 
     bootstrap = tuple(parse_multiaddr(b, require_peer_id=True) for b in args.bootstrap.split(",") if b)
@@ -214,7 +241,9 @@ async def _status(args: argparse.Namespace) -> int:
         Identity.generate().save(path)
         config = NodeConfig(initial_peers=bootstrap, client_mode=True, start_timeout_s=args.timeout_s,
                             start_retries=1)
-        node = await SwarmNode.start(path, config)
+        # With the validator, a DHT node's answer that holds a forged record is dropped whole, so a forged record
+        # under another peer's subkey cannot hide that peer's real record from us.
+        node = await SwarmNode.start(path, config, record_validators=[PeerRecordValidator([args.run_id])])
         try:
             spec = await fetch_run_spec(node, args.run_id, timeout_s=args.timeout_s)
             records = await list_peers(node, args.run_id, timeout_s=args.timeout_s)
@@ -228,6 +257,9 @@ async def _status(args: argparse.Namespace) -> int:
     print(f"run '{args.run_id}': {spec_text}, {len(records)} peer record(s)")
     if records:
         print(status_table(records))
+        details = rejection_details(records)
+        if details:
+            print("\nrejections by reason, and each peer's worst offenders:\n" + details)
     return 0
 
 
@@ -252,8 +284,9 @@ def _const(node: ast.expr) -> Any:
 def _static_dataclass_args(parser: argparse.ArgumentParser, module: str, cls_name: str, *, title: str, dest: str,
                            prefix: str) -> None:
     """Like `add_dataclass_args` for a flat dataclass of scalars, read from the module's source without
-    importing it (its module imports hivemind). Options are `--{prefix}-{field}`; `apply_args(cls(), args,
-    dest)` applies them after the real import, which also catches any field this reader got wrong."""
+    importing it (its module imports hivemind). Options are `--{prefix}-{field}` (`--{field}` with no prefix);
+    `apply_args(cls(), args, dest)` applies them after the real import, which also catches any field this
+    reader got wrong."""
     try:
         spec = importlib.util.find_spec(module)
         tree = ast.parse(Path(spec.origin).read_text()) if spec and spec.origin else None
@@ -279,7 +312,8 @@ def _static_dataclass_args(parser: argparse.ArgumentParser, module: str, cls_nam
         if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             doc = " ".join(nxt.value.value.split()).replace("%", "%%")  # argparse formats help with %
         name = node.target.id
-        group.add_argument(f"--{prefix}-{name.replace('_', '-')}", dest=f"{dest}__{name}", type=converters[kind],
+        flag = f"--{prefix}-{name}" if prefix else f"--{name}"
+        group.add_argument(flag.replace("_", "-"), dest=f"{dest}__{name}", type=converters[kind],
                            default=None, metavar=name.split("_")[-1].upper(),
                            help=f"{doc} (default: {default})".strip())
 

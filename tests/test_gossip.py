@@ -20,8 +20,12 @@ from net_helpers import LoopThread, Member, start_member
 
 from p2p_diloco.config import preset
 from p2p_diloco.net import rpc
+from p2p_diloco.net.evidence_relay import EvidenceRelay, evidence_name
 from p2p_diloco.net.gossip import Gossip, GossipConfig, decode_request, encode_request
+from p2p_diloco.net.guard import PeerGuard
 from p2p_diloco.net.node import SwarmNode
+from p2p_diloco.net.policy import RateLimitConfig
+from p2p_diloco.sync import evidence as sync_evidence
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.store import UpdateStore
@@ -49,6 +53,8 @@ class Peer:
     store: UpdateStore
     gossip: Gossip
     view: list[str]  # what its `peers` callback returns; tests edit it
+    guard: PeerGuard | None = None
+    relay: EvidenceRelay | None = None
 
     @property
     def vv(self) -> VersionVector:
@@ -95,8 +101,10 @@ def _reference(updates: list[OuterUpdate]) -> Replica:
 
 
 @contextlib.contextmanager
-def gossiping(loop: LoopThread, members: list[Member], *configs: GossipConfig) -> Iterator[list[Peer]]:
-    """A started Gossip on each member (config i for member i, the last one repeated); all stopped in finally."""
+def gossiping(loop: LoopThread, members: list[Member], *configs: GossipConfig,
+              limits: RateLimitConfig | None = None, allowed: tuple[str, ...] = ()) -> Iterator[list[Peer]]:
+    """A started Gossip on each member (config i for member i, the last one repeated); all stopped in finally.
+    With `limits`, each peer also gets a PeerGuard (and `allowed` as its allow list) and an EvidenceRelay."""
     peers: list[Peer] = []
     everyone = [m.node.peer_id for m in members]
     try:
@@ -106,13 +114,22 @@ def gossiping(loop: LoopThread, members: list[Member], *configs: GossipConfig) -
             intake = Intake(SPEC, NUMEL, replica)
             store = UpdateStore(config.retained_bytes)
             view = list(everyone)
-            gossip = Gossip(member.node, SPEC.run_id, intake, store, config, peers=lambda v=view: v)
-            peers.append(Peer(member.node, member.identity, replica, intake, store, gossip, view))
+            guard = relay = None
+            if limits is not None:
+                guard = PeerGuard(SPEC.run_id, self_id=member.node.peer_id, limits=limits, allowed=allowed)
+                relay = EvidenceRelay(member.node, SPEC.run_id, intake, lambda v=view: v, guard, fanout=3,
+                                      timeout_s=config.rpc_timeout_s)
+                loop.run(relay.start())
+            gossip = Gossip(member.node, SPEC.run_id, intake, store, config, peers=lambda v=view: v, guard=guard,
+                            on_evidence=relay.publish if relay else None)
+            peers.append(Peer(member.node, member.identity, replica, intake, store, gossip, view, guard, relay))
             loop.run(gossip.start())
         yield peers
     finally:
         for peer in peers:
             loop.run(peer.gossip.stop(), timeout_s=30)
+            if peer.relay is not None:
+                loop.run(peer.relay.stop(), timeout_s=30)
 
 
 def publish(loop: LoopThread, peer: Peer, update: OuterUpdate) -> None:
@@ -278,14 +295,17 @@ def test_hostile_requests_and_responses_are_refused(loop, members) -> None:
                                   timeout_s=5))
         assert a.gossip.stats["bad_requests"] == 4
 
-    # B serves junk on the pull RPC: a wrong-run update, garbage, and a good update; A keeps only the good one.
+    # B serves junk on the pull RPC: a wrong-run update, garbage, and a good update. No honest peer relays an
+    # invalid update, so A reads no further than the first one (it spends nothing more on that stream); once B
+    # serves only good updates, A merges them.
     good = _updates(b_member.identity, 1, seed=40)[0]
     wrong_run = make_update(run_id="other-run", spec_hash=SPEC.spec_hash(), seq=1, tau=0, samples=1, weight=0.5,
                             codec=CODEC.name, numel=NUMEL, identity=b_member.identity, payload=good.payload)
+    served = [encode_update(wrong_run), b"garbage", encode_update(good)]
 
     async def junk(request: bytes, caller: str):
         decode_request(request, pull=True)
-        for data in (encode_update(wrong_run), b"garbage", encode_update(good)):
+        for data in list(served):
             yield data
 
     pull_name = f"p2p-diloco/{SPEC.run_id}/pull"
@@ -293,10 +313,13 @@ def test_hostile_requests_and_responses_are_refused(loop, members) -> None:
     try:
         with gossiping(loop, [a_member], dataclasses.replace(config, anti_entropy_s=0.1)) as (a,):
             a.view[:] = [b_member.node.peer_id]
+            wait_until(lambda: a.gossip.stats["pull_failures"] >= 2, 10, "A to give up on B's junk twice")
+            assert a.intake.counts["wrong_run"] >= 2 and a.intake.counts["malformed"] == 0
+            assert a.vv.get(b_member.node.peer_id) == 0 and len(a.store) == 0
+            served[:] = [encode_update(good)]
             # the merge happens on a worker thread, the store add right after on the loop: wait for both
             wait_until(lambda: a.vv.get(b_member.node.peer_id) == 1 and a.store.has(good.sender, 1), 10,
                        "A to merge and retain B's good update")
-            assert a.intake.counts["wrong_run"] >= 1 and a.intake.counts["malformed"] >= 1
             assert len(a.store) == 1
     finally:
         loop.run(rpc.unserve(b_member.node.p2p, pull_name))
@@ -312,3 +335,96 @@ def test_request_codec_round_trip_and_bounds() -> None:
             decode_request(bad, pull=pull)
     with pytest.raises(ValueError):
         GossipConfig(fanout=0).validate()
+
+
+# ---------------------------------------------------------------------------------------------- hostile peers
+
+
+def _serve_pull(loop: LoopThread, member: Member, served: list[bytes]) -> str:
+    """`member` answers every pull with `served` (edit the list to change it); returns the handler name."""
+    async def pull(request: bytes, caller: str):
+        decode_request(request, pull=True)
+        for data in list(served):
+            yield data
+
+    name = f"p2p-diloco/{SPEC.run_id}/pull"
+    loop.run(rpc.serve(member.node.p2p, name, pull, max_request_bytes=1 << 20, timeout_s=5))
+    return name
+
+
+def test_a_peer_that_sends_invalid_updates_is_counted_and_penalized(loop, members) -> None:
+    """B serves a forged update: A counts it against B, stops reading, and then ignores B for penalty_s (no
+    pulls, its announces refused with the reason), while it still takes a good update from C."""
+    a_member, b_member, c_member = members
+    good = _updates(b_member.identity, 1, seed=50)[0]
+    forged = encode_update(dataclasses.replace(good, signature=bytes(64)))
+    name = _serve_pull(loop, b_member, [forged, encode_update(good)])
+    config = GossipConfig(anti_entropy_s=QUIET, rpc_timeout_s=5)
+    try:
+        with gossiping(loop, [a_member, c_member], config, limits=RateLimitConfig(penalty_s=60)) as (a, c):
+            a.view[:] = [b_member.node.peer_id, c.node.peer_id]
+            loop.run(a.gossip.request_pull(b_member.node.peer_id))
+            wait_until(lambda: a.guard.is_penalized(b_member.node.peer_id), 10, "A to penalize B")
+            assert a.guard.rejections.of(b_member.node.peer_id) == {"bad_signature": 1}
+            assert a.intake.counts["bad_signature"] == 1 and a.vv.total() == 0  # the good one was never read
+            with pytest.raises(rpc.RpcRemoteError, match="refused for [0-9]+s more: you sent invalid updates"):
+                loop.run(rpc.call(b_member.node.p2p, a.node.peer_id, f"p2p-diloco/{SPEC.run_id}/announce",
+                                  encode_request(VersionVector({good.sender: 1})), max_response_bytes=16,
+                                  timeout_s=5))
+            loop.run(a.gossip.request_pull(b_member.node.peer_id))  # even when asked: no pull from B
+            time.sleep(0.3)
+            assert a.gossip.stats["pulls_skipped"] >= 1 and a.intake.counts["bad_signature"] == 1
+            publish(loop, c, _updates(c.identity, 1, seed=51)[0])  # honest gossip goes on
+            wait_until(lambda: a.vv.get(c.node.peer_id) == 1, 10, "A to merge C's update")
+    finally:
+        loop.run(rpc.unserve(b_member.node.p2p, name))
+
+
+def test_equivocation_evidence_is_verified_before_others_ban(loop, members) -> None:
+    """C serves two signed updates for one (sender, seq) to A only. A bans the sender and pushes the proof;
+    B verifies it itself and bans too. Invalid evidence is refused with the reason and counted."""
+    a_member, b_member, c_member = members
+    equivocator = Identity.generate()
+    first, second = (_updates(equivocator, 2, seed=seed)[1] for seed in (60, 61))  # seq 2 twice: both wait
+    name = _serve_pull(loop, c_member, [encode_update(first), encode_update(second)])
+    config = GossipConfig(anti_entropy_s=QUIET, rpc_timeout_s=5)
+    try:
+        with gossiping(loop, [a_member, b_member], config, limits=RateLimitConfig(penalty_s=0)) as (a, b):
+            loop.run(a.gossip.request_pull(c_member.node.peer_id))
+            wait_until(lambda: equivocator.peer_id in b.replica.banned, 10, "B to ban on A's evidence")
+            assert equivocator.peer_id in a.replica.banned and a.intake.counts["equivocation"] == 1
+            wait_until(lambda: a.relay.stats["evidence_sent"] >= 1, 10, "A's push to be acknowledged")
+            assert b.relay.stats["evidence_verified"] == 1
+            assert b.guard.rejections.of(equivocator.peer_id) == {"evidence_verified": 1}
+            assert b.vv.total() == 0 and b.replica.n_buffered == 0  # nothing of the equivocator is kept
+            # C (hostile) claims D equivocated, with two updates of two different senders.
+            accused, other = (_updates(Identity.generate(), 1, seed=seed)[0] for seed in (62, 63))
+            bogus = sync_evidence.encode_evidence((encode_update(accused), encode_update(other)))
+            with pytest.raises(rpc.RpcRemoteError, match="invalid evidence: bad_evidence: the two updates have "
+                                                         "different senders"):
+                loop.run(rpc.call(c_member.node.p2p, b.node.peer_id, evidence_name(SPEC.run_id), bogus,
+                                  max_response_bytes=16, timeout_s=5))
+            assert b.guard.rejections.of(c_member.node.peer_id) == {"evidence_invalid": 1}
+            assert accused.sender not in b.replica.banned and other.sender not in b.replica.banned
+            # Evidence against a sender already banned costs a header read, nothing more.
+            loop.run(rpc.call(c_member.node.p2p, b.node.peer_id, evidence_name(SPEC.run_id),
+                              sync_evidence.encode_evidence((encode_update(first), b"junk")), max_response_bytes=16,
+                              timeout_s=5))
+            assert b.relay.stats["evidence_known"] == 1
+    finally:
+        loop.run(rpc.unserve(c_member.node.p2p, name))
+
+
+def test_a_closed_run_refuses_outsiders_on_every_rpc(loop, members) -> None:
+    a_member, b_member, c_member = members
+    allowed = (a_member.node.peer_id, b_member.node.peer_id)
+    config = GossipConfig(anti_entropy_s=QUIET, rpc_timeout_s=5)
+    with gossiping(loop, [a_member, b_member], config, limits=RateLimitConfig(), allowed=allowed) as (a, b):
+        for rpc_name in ("announce", "pull", "evidence"):
+            with pytest.raises(rpc.RpcRemoteError, match="^.*not allowed in this run: PeerID not in allow list$"):
+                loop.run(rpc.call(c_member.node.p2p, a.node.peer_id, f"p2p-diloco/{SPEC.run_id}/{rpc_name}",
+                                  encode_request(VersionVector(), 1), max_response_bytes=1 << 20, timeout_s=5))
+        assert a.guard.rejections.of(c_member.node.peer_id) == {"not_allowed": 3}
+        publish(loop, a, _updates(a.identity, 1, seed=70)[0])  # members still gossip
+        wait_until(lambda: b.vv.get(a.node.peer_id) == 1, 10, "B to merge A's update")
+

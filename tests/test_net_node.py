@@ -405,3 +405,75 @@ def test_stock_hivemind_dht_as_bootstrap(loop, tmp_path_factory) -> None:
 
 async def _pong(request: bytes, caller: str) -> bytes:
     return b"pong"
+
+
+# ---------------------------------------------------------------------------------------------- hostile streams
+
+
+async def _trickle(request: bytes, caller: str):
+    """A handler that never ends: 100 bytes every 0.4 s, each step well within the per-read timeout."""
+    while True:
+        await asyncio.sleep(0.4)
+        yield b"x" * 100
+
+
+def test_rpc_never_ending_slow_stream_is_cut_by_the_pace(loop, swarm: Swarm) -> None:
+    a, b, _ = swarm.nodes
+    loop.run(rpc.serve(a.p2p, f"{RUN}/trickle", _trickle, max_request_bytes=16, timeout_s=1.0))
+
+    async def read(min_bytes_per_s: float, stop_after_s: float) -> tuple[int, float]:
+        started, received = time.monotonic(), 0
+        stream = rpc.call_stream(b.p2p, a.peer_id, f"{RUN}/trickle", b"", max_chunk_bytes=1000,
+                                 max_total_bytes=1 << 20, timeout_s=1.0, min_bytes_per_s=min_bytes_per_s)
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                received += len(chunk)
+                if time.monotonic() - started > stop_after_s:
+                    break
+        return received, time.monotonic() - started
+
+    # Without a pace, no read ever times out: the stream would go on for as long as we listen.
+    received, elapsed = loop.run(read(0.0, stop_after_s=2.5))
+    assert elapsed >= 2.5 and received >= 500
+    # With one, it is cut soon after the grace (one timeout): 250 B/s is under the 1000 B/s asked for.
+    started = time.monotonic()
+    with pytest.raises(rpc.RpcSlowError, match="sent too slowly"):
+        loop.run(read(1000.0, stop_after_s=60))
+    assert time.monotonic() - started < 2.5
+
+
+class _RefusingGuard:
+    """A guard that refuses one caller and records what the RPC layer reports."""
+
+    def __init__(self, refused: str) -> None:
+        self.refused, self.rejects, self.admitted, self.released = refused, [], 0, 0
+
+    async def admit(self, caller: str, handler: str, request_bytes: int) -> str | None:
+        if caller == self.refused:
+            return "not allowed in this run: PeerID not in allow list"
+        self.admitted += 1
+        return None
+
+    def release(self, caller: str) -> None:
+        self.released += 1
+
+    def charge_out(self, caller: str, nbytes: int) -> None:
+        pass
+
+    def on_reject(self, caller: str, counter: str) -> None:
+        self.rejects.append(counter)
+
+
+def test_rpc_guard_refuses_before_reading_and_hears_every_refusal(loop, swarm: Swarm) -> None:
+    a, b, c = swarm.nodes
+    guard = _RefusingGuard(refused=c.peer_id)
+    stats = loop.run(rpc.serve(a.p2p, f"{RUN}/guarded", _pong, max_request_bytes=64, timeout_s=5, guard=guard))
+    with pytest.raises(rpc.RpcRemoteError, match="not allowed in this run: PeerID not in allow list"):
+        loop.run(rpc.call(c.p2p, a.peer_id, f"{RUN}/guarded", b"x" * 60, max_response_bytes=16, timeout_s=10))
+    assert loop.run(rpc.call(b.p2p, a.peer_id, f"{RUN}/guarded", b"", max_response_bytes=16, timeout_s=10)) \
+        == b"pong"
+    with pytest.raises(rpc.RpcRemoteError, match="request too large"):
+        loop.run(rpc.call(b.p2p, a.peer_id, f"{RUN}/guarded", b"x" * 65, max_response_bytes=16, timeout_s=10))
+    assert stats.rejected_policy == 1 and stats.rejected_oversize == 1 and stats.ok == 1
+    assert guard.rejects == ["rejected_oversize"]  # its own refusal it counts itself
+    assert guard.admitted == guard.released == 1

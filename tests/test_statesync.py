@@ -21,10 +21,10 @@ from net_helpers import LoopThread, Member, start_member
 
 from p2p_diloco.config import preset
 from p2p_diloco.net import rpc
+from p2p_diloco.net.snapshot_server import SnapshotServer
 from p2p_diloco.net.statesync import (
     MANIFEST_DOMAIN,
     DonorError,
-    SnapshotServer,
     StateSyncConfig,
     StateSyncError,
     fetch_snapshot,
@@ -236,3 +236,25 @@ def test_parse_manifest_refuses_what_does_not_add_up() -> None:
     for garbage in (b"\xc1", b"", msgpack.packb([1, 2]), b"\x00" * 5000):
         with pytest.raises(DonorError):
             parse(garbage)
+
+
+def test_a_donor_that_serves_a_bad_chunk_is_counted_penalized_and_skipped(loop, members) -> None:
+    """With the peer's guard: the hostile donor's bad chunk is counted against it (bad_chunk) and it is
+    penalized, so the next sync does not even ask it; the honest donor serves both times."""
+    from p2p_diloco.net.guard import PeerGuard
+    from p2p_diloco.net.policy import RateLimitConfig
+
+    joiner, a, b = members
+    guard = PeerGuard(SPEC.run_id, self_id=joiner.node.peer_id, limits=RateLimitConfig(penalty_s=60))
+    good = _replica(seed=6)
+    with serving(loop, a, _replica(seed=7), Fault.CORRUPT_CHUNK) as hostile, serving(loop, b, good):
+        for _ in range(2):
+            theta, vv, donor = loop.run(fetch_snapshot(joiner.node, SPEC.run_id, SPEC_HASH,
+                                                       [a.node.peer_id, b.node.peer_id], NUMEL, CONFIG, guard=guard))
+            assert donor == b.node.peer_id
+            assert_same_state(theta, vv, good)
+        assert guard.rejections.of(a.node.peer_id) == {"bad_chunk": 1} and guard.is_penalized(a.node.peer_id)
+        assert hostile.stats["manifests_served"] == 1  # asked once, then skipped
+        with pytest.raises(StateSyncError, match="skipped \\(penalized\\)"):
+            loop.run(fetch_snapshot(joiner.node, SPEC.run_id, SPEC_HASH, [a.node.peer_id], NUMEL, CONFIG,
+                                    guard=guard))

@@ -16,12 +16,17 @@ record. hivemind hashes keys before validators see them (`DHTRecord.key` is `DHT
 SHA-1 of the msgpack-encoded key, and `DHTRecord.subkey` is the msgpack-encoded subkey), so the validator cannot
 match a prefix: it is built for a set of run ids and precomputes their key ids. A stock `hivemind-dht` node has
 no such validator and stores anything; our nodes still reject forged records when they *read* them, and
-`list_peers` verifies every record again.
+`list_peers` verifies every record again, so a forged record for another peer never reaches a caller.
+
+Rejected records are counted by reason (`record_forged`, `record_malformed`, `record_oversize`,
+`record_wrong_run`, `record_replayed`, `record_expiration`): by the validator inside the DHT process (read them
+with `validator_counts`) and by `list_peers` for what it drops.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -125,30 +130,38 @@ def encode_peer_record(run_id: str, record: dict, identity: Identity, expiration
 
 def decode_peer_record(run_id: str, subkey: Any, value: Any, expiration_time: float) -> tuple[dict | None, str]:
     """(record, "") if `value` is a valid record of peer `subkey` for `run_id`, else (None, why not)."""
+    record, _, why = check_peer_record(run_id, subkey, value, expiration_time)
+    return record, why
+
+
+def check_peer_record(run_id: str, subkey: Any, value: Any, expiration_time: float) -> tuple[dict | None, str, str]:
+    """Like `decode_peer_record`, with the reason counted for a rejection: (record | None, reason, why)."""
     if not isinstance(subkey, str):
-        return None, "subkey is not a peer id string"
+        return None, "record_malformed", "subkey is not a peer id string"
     if not (isinstance(value, (list, tuple)) and len(value) == 2):
-        return None, "value is not [record, signature]"
+        return None, "record_malformed", "value is not [record, signature]"
     record_bytes, signature = value
     if not (isinstance(signature, bytes) and len(signature) == _SIGNATURE_BYTES):
-        return None, "malformed signature"
+        return None, "record_malformed", "malformed signature"
+    if isinstance(record_bytes, bytes) and len(record_bytes) > MAX_PEER_RECORD_BYTES:
+        return None, "record_oversize", f"record is {len(record_bytes)} bytes, limit {MAX_PEER_RECORD_BYTES}"
     try:
         record = _unpack(record_bytes, MAX_PEER_RECORD_BYTES)
     except ValueError as e:
-        return None, f"malformed record: {e}"
+        return None, "record_malformed", f"malformed record: {e}"
     if not isinstance(record, dict):
-        return None, "record is not a map"
+        return None, "record_malformed", "record is not a map"
     if record.get("peer_id") != subkey:
-        return None, "record peer_id differs from its subkey"
+        return None, "record_forged", "record peer_id differs from its subkey"
     if record.get("run_id") != run_id:
-        return None, "record is for another run"
+        return None, "record_wrong_run", "record is for another run"
     if record.get("expiration_time") != expiration_time:
-        return None, "signed expiration differs from the DHT expiration"
+        return None, "record_replayed", "signed expiration differs from the DHT expiration"
     if expiration_time > get_dht_time() + MAX_PEER_RECORD_TTL_S:
-        return None, "expiration too far in the future"
+        return None, "record_expiration", "expiration too far in the future"
     if not verify_blob(subkey, PEER_RECORD_DOMAIN, record_bytes, signature):
-        return None, "bad signature (not signed by the subkey's peer)"
-    return record, ""
+        return None, "record_forged", "bad signature (not signed by the subkey's peer)"
+    return record, "", ""
 
 
 async def announce_peer(node: SwarmNode, run_id: str, record: dict, identity: Identity,
@@ -168,19 +181,42 @@ async def announce_peer(node: SwarmNode, run_id: str, record: dict, identity: Id
                                 timeout_s=timeout_s)
 
 
-async def list_peers(node: SwarmNode, run_id: str, timeout_s: float) -> dict[str, dict]:
-    """Live peers of the run: {peer_id: record}, only records that verify against their subkey's PeerID."""
+async def list_peers(node: SwarmNode, run_id: str, timeout_s: float,
+                     rejected: Counter | None = None) -> dict[str, dict]:
+    """Live peers of the run: {peer_id: record}, only records that verify against their subkey's PeerID.
+    The reasons of the records dropped are counted into `rejected` if given."""
     found = await node.dht_get(peers_key(run_id), latest=True, timeout_s=timeout_s)
     if found is None or not isinstance(found.value, dict):
+        if found is not None and rejected is not None:
+            rejected["record_malformed"] += 1  # a plain value where the per-peer subkeys should be
         return {}
     peers: dict[str, dict] = {}
     for subkey, item in found.value.items():
-        record, why = decode_peer_record(run_id, subkey, item.value, item.expiration_time)
+        record, reason, why = check_peer_record(run_id, subkey, item.value, item.expiration_time)
         if record is None:
             logger.info("dropping peer record run_id=%s subkey=%.60r reason=%s", run_id, subkey, why)
+            if rejected is not None:
+                rejected[reason] += 1
             continue
         peers[subkey] = record
     return peers
+
+
+async def _validator_counts_coro(_dht: Any, dht_node: Any) -> dict[str, int]:
+    """Runs inside the DHT process: the rejection counts of our validator(s) there."""
+    counts: Counter = Counter()
+    composite = dht_node.protocol.record_validator
+    for validator in getattr(composite, "_validators", [composite]):  # hivemind's CompositeValidator
+        if isinstance(validator, PeerRecordValidator):
+            counts.update(validator.counts)
+    return dict(counts)
+
+
+async def validator_counts(node: SwarmNode, timeout_s: float = 10.0) -> dict[str, int]:
+    """Records the DHT validator of this node refused (on store and on read), by reason."""
+    from p2p_diloco.net.node import _await_mp  # the node's helper for hivemind futures
+
+    return await _await_mp(node.dht.run_coroutine(_validator_counts_coro, return_future=True), timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------- DHT validator
@@ -196,6 +232,7 @@ class PeerRecordValidator(RecordValidatorBase):
     def __init__(self, run_ids: Iterable[str]):
         self._peer_keys: dict[bytes, str] = {_key_id(peers_key(r)): r for r in run_ids}
         self._spec_keys: dict[bytes, str] = {_key_id(spec_key(r)): r for r in run_ids}
+        self.counts: Counter = Counter()  # rejections by reason (inside the DHT process: see validator_counts)
 
     @property
     def run_ids(self) -> set[str]:
@@ -214,10 +251,13 @@ class PeerRecordValidator(RecordValidatorBase):
             subkey = _unpack(record.subkey, 256)  # a regular value (subkey None) is never a valid peer record
             value = _unpack(record.value, MAX_PEER_RECORD_BYTES + 128)
         except ValueError as e:
+            oversize = len(record.value) > MAX_PEER_RECORD_BYTES + 128
+            self.counts["record_oversize" if oversize else "record_malformed"] += 1
             logger.debug("dht rejected peer record run_id=%s reason=%s", run_id, e)
             return False
-        _, why = decode_peer_record(run_id, subkey, value, record.expiration_time)
+        _, reason, why = check_peer_record(run_id, subkey, value, record.expiration_time)
         if why:
+            self.counts[reason] += 1
             logger.debug("dht rejected peer record run_id=%s subkey=%.60r reason=%s", run_id, subkey, why)
         return not why
 
@@ -227,6 +267,7 @@ class PeerRecordValidator(RecordValidatorBase):
         except ValueError:
             ok = False
         if not ok:
+            self.counts["spec_malformed"] += 1
             logger.debug("dht rejected a malformed run spec record")
         return bool(ok)
 
@@ -235,4 +276,5 @@ class PeerRecordValidator(RecordValidatorBase):
             return False
         self._peer_keys.update(other._peer_keys)
         self._spec_keys.update(other._spec_keys)
+        self.counts.update(getattr(other, "counts", {}))
         return True

@@ -11,9 +11,11 @@ Process model (DESIGN.md section 5):
         SwarmNode, Gossip, SnapshotServer, announce and peer-list refresh; remote updates merge into the
         replica from there (Intake, in the loop's worker threads), under the replica's lock.
 
-Lifecycle: start the node and check the run's spec (the first peer publishes it) -> state sync from the
-freshest live peers if any has merged updates -> serve and announce -> rounds -> linger until the swarm is
-quiet -> leave (a last record says "left"), write the final state, shut the node down. A stop request
+Lifecycle: start the node and check the run's spec (the first peer publishes it) -> restore the newest good
+checkpoint if this peer has one, else state sync from the freshest live peers if any has merged updates ->
+serve and announce -> after a restore, publish our journaled updates again and catch up (net/resume.py) ->
+rounds (a checkpoint every `checkpoint_every`) -> linger until the swarm is quiet -> leave (a last record says
+"left"), write a checkpoint and the final state, shut the node down. A stop request
 (Ctrl-C, SIGTERM) is checked before every inner step: the unfinished phase is dropped, or finished if it ends
 within `finish_phase_within_s`, and the peer leaves as above within seconds. A finish request (SIGUSR1) makes
 the current round the last one, as if `--rounds` had been reached: the peer lingers, then leaves.
@@ -99,6 +101,18 @@ class PeerConfig:
     device: str = "auto"
     """Where the model trains: auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps. The replica and
     everything sent stay on the CPU in float32, so peers on different devices train one run together."""
+    checkpoint_every: int = 10
+    """Write a checkpoint (replica, version vector, outer momentum and error feedback, inner AdamW state, data
+    position) every this many rounds and on a clean exit; a restart resumes from it (0: no checkpoints, no
+    journal: a restart starts over with a state sync)."""
+    checkpoint_dir: str = ""
+    """Folder for checkpoints and the journal of our signed updates (empty: OUT_DIR/checkpoints with --out-dir,
+    else ~/.local/share/p2p-diloco/RUN-SPEC/PEER_ID). Restart with the same --identity and folder to resume."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept, newest first: an older one is the fallback when a crash tore the newest."""
+    catch_up_stall_s: float = 20.0
+    """After a restart, pull what peers merged since the checkpoint; if nothing new merges for this many
+    seconds, the gap is older than peers retain: state sync instead (training starts after 10x this anyway)."""
 
     def validate(self) -> PeerConfig:
         def require(ok: bool, message: str) -> None:
@@ -117,6 +131,10 @@ class PeerConfig:
         require(self.reachability in ("", "public", "private"),
                 f"reachability must be public, private or empty, got {self.reachability!r}")
         require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
+        require(self.checkpoint_every >= 0 and self.keep_checkpoints >= 1,
+                f"checkpoint_every must be >= 0 and keep_checkpoints >= 1, got {self.checkpoint_every} and "
+                f"{self.keep_checkpoints}")
+        require(self.catch_up_stall_s > 0, f"catch_up_stall_s must be > 0, got {self.catch_up_stall_s}")
         from p2p_diloco.train.device import resolve_device  # imports torch: here, not at import time
 
         resolve_device(self.device)  # a missing GPU fails here, before the node starts
@@ -248,11 +266,12 @@ class Peer:
 
     def __init__(self, spec: RunSpec, config: PeerConfig, *, gossip_config: Any, sync_config: Any,
                  stop: threading.Event | None = None, finish: threading.Event | None = None,
-                 out: Callable[[str], None] | None = None) -> None:
+                 out: Callable[[str], None] | None = None, policy: Any = None) -> None:
         self.spec = spec.validate()
         self.config = config.validate()
         self.gossip_config = gossip_config
         self.sync_config = sync_config
+        self.policy = policy  # net/policy.NetPolicy: access (allow list, run secret) and rate limits; None: defaults
         self.stop = stop or threading.Event()  # leave now (Ctrl-C, SIGTERM)
         self.finish = finish or threading.Event()  # end after this round, then linger (SIGUSR1)
         self.out = out or _print
@@ -264,6 +283,8 @@ class Peer:
         self.last: dict[str, Any] = {}
         self._publish: Any = None  # the last update's hand-over to the loop (a concurrent Future)
         self._sent_at_publish = self._last_nbytes = 0
+        self.checkpoints: Any = None  # PeerCheckpoints (net/resume.py), None with --checkpoint-every 0
+        self._ready = False  # the replica is set up (restored or synced) and served: worth a checkpoint on exit
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
@@ -273,20 +294,29 @@ class Peer:
 
         identity_path = str(Path(self.config.identity).expanduser())
         identity = Identity.load_or_create(identity_path)
+        self.checkpoints = self._open_checkpoints(identity.peer_id)  # before the node: a second process stops here
         node_config = self.config.node_config()
         loop = NetLoop()
         try:
             self.network = PeerNetwork(
                 self.spec, identity, identity_path, node_config, gossip_config=self.gossip_config,
                 sync_config=self.sync_config, record_ttl_s=self.config.record_ttl_s,
-                dht_timeout_s=self.config.dht_timeout_s)
+                dht_timeout_s=self.config.dht_timeout_s, policy=self.policy)
             started = loop.submit(self.network.start())
             self._build_learner(identity)  # while the node starts
+            restored = self._restore()
             how = loop.wait(started, self.stop)
             self._report_start(how)
-            synced = loop.wait(self.network.sync_state(self.learner), self.stop)
-            self._report_sync(synced)
+            if restored is None:
+                synced = loop.wait(self.network.sync_state(self.learner), self.stop)
+                self._report_sync(synced)
+                self._adopt_journal()  # no checkpoint, but maybe a journal: never reuse a seq
             loop.wait(self.network.serve(self.learner), self.stop)
+            self._ready = True
+            if self.checkpoints is not None:
+                self.checkpoints.resume(loop, self.network, self.learner, restored=restored is not None,
+                                        stop=self.stop, stall_s=self.config.catch_up_stall_s,
+                                        on_sync=self._adopt_journal)
             self._train(loop)
             self._linger()
         except Stopped:
@@ -318,6 +348,33 @@ class Peer:
         self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")
         self.log.write("start", peer_id=identity.peer_id, shard=shard, num_shards=cfg.num_shards,
                        spec_hash=self.spec.spec_hash(), numel=self.learner.numel, device=self.learner.device)
+
+    # ---- checkpoints and restart (net/resume.py, train/checkpoint.py) ----------------------------------
+
+    def _open_checkpoints(self, peer_id: str) -> Any:
+        """The checkpoint folder, opened and locked (None with --checkpoint-every 0)."""
+        cfg = self.config
+        if cfg.checkpoint_every == 0:
+            return None
+        from p2p_diloco.net.resume import PeerCheckpoints, default_checkpoint_dir
+
+        folder = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir else \
+            default_checkpoint_dir(cfg.out_dir, self.spec.run_id, self.spec.spec_hash(), peer_id)
+        return PeerCheckpoints.open(folder, self.spec, peer_id, keep=cfg.keep_checkpoints, out=self.out,
+                                    log=self.log)
+
+    def _restore(self) -> dict | None:
+        """Load the newest good checkpoint (CPU work, while the node starts); None if there is none."""
+        restored = self.checkpoints.restore(self.learner) if self.checkpoints else None
+        if restored is not None:
+            self.round = restored["round"]
+        return restored
+
+    def _adopt_journal(self) -> int:
+        """Our journaled updates into a replica that came from a state sync (seqs stay unique)."""
+        rounds = self.checkpoints.adopt_journal(self.learner) if self.checkpoints else 0
+        self.round += rounds
+        return rounds
 
     def _report_start(self, how: str) -> None:
         node = self.network.node
@@ -381,6 +438,8 @@ class Peer:
             network.request_announce()
             self.out(round_line(self.last))
             self.log.write("round", peer_id=learner.peer_id, **self.last)
+            if self.checkpoints is not None and self.round % cfg.checkpoint_every == 0:
+                self.checkpoints.save(learner, round=self.round, why="periodic")
 
     def _inner_phase(self, phase: Any) -> Any:
         """The inner steps, one at a time so that a stop request is seen within a step. On a stop, the phase
@@ -417,7 +476,8 @@ class Peer:
         while not self.stop.wait(0.5):
             digest = self.learner.replica.version_vector.digest().hex()[:16]
             # Twice in a row: our own record must also have been refreshed since our replica last changed.
-            quiet_checks = quiet_checks + 1 if is_quiet(network.peers, self.learner.peer_id, digest) else 0
+            quiet = is_quiet(network.peers, self.learner.peer_id, digest) and not network.settling()
+            quiet_checks = quiet_checks + 1 if quiet else 0
             if quiet_checks >= 2:
                 self.out(f"swarm quiet: every live peer holds version vector {digest}")
                 return
@@ -438,6 +498,8 @@ class Peer:
                     loop.wait(network.leave(), timeout_s=15)
                 except Exception as e:
                     logger.warning("leaving the swarm failed error=%r", e)
+            if self.checkpoints is not None and self._ready:
+                self.checkpoints.save(self.learner, round=self.round, why="exit")  # after leaving: no more merges
             if self.learner is not None and self.network is not None and self.network.learner is not None:
                 self._final_report()
         finally:
@@ -448,6 +510,8 @@ class Peer:
                 logger.warning("node shutdown failed error=%r", e)
             loop.close()
             self.log.close()
+            if self.checkpoints is not None:
+                self.checkpoints.close()
 
     def _see_last_update_out(self) -> None:
         """After a stop request: give peers a moment (finish_phase_within_s) to pull our last update, which is
@@ -472,6 +536,9 @@ class Peer:
                  "eval_loss": eval_loss, "vv_total": vv.total(), "vv_digest": vv.digest().hex()[:16],
                  "bytes_sent": counters.get("bytes_sent", 0), "bytes_received": counters.get("bytes_received", 0),
                  "merged": counters.get("merged", 0), "rejected": counters.get("rejected", 0),
+                 "duplicates": counters.get("duplicate", 0), "seq": self.learner.last_seq,
+                 "equivocations": self.learner.replica.stats.get("equivocation", 0),
+                 "banned": sorted(self.learner.replica.banned),
                  "utilization": self.last.get("utilization", 0.0)}  # while training (lingering is not idling)
         if self.config.out_dir:
             theta_path, vv_path = save_state(self.config.out_dir, theta, vv,

@@ -1,8 +1,9 @@
 """The network side of one peer: everything that runs on its asyncio loop (DESIGN.md section 5).
 
-One loop in a daemon thread (`NetLoop`) runs the SwarmNode, Gossip, the SnapshotServer and two small tasks:
-announcing this peer's signed record and refreshing the list of live peers. The compute thread talks to it
-in two ways only, neither of which waits on the network:
+One loop in a daemon thread (`NetLoop`, net/netloop.py) runs the SwarmNode, Gossip, the SnapshotServer, the
+EvidenceRelay, the admission check (`hello`) and two small tasks: announcing this peer's signed record and
+refreshing the list of live peers. The compute thread talks to it in two ways only, neither of which waits on
+the network:
 
 - it hands over finished updates with `asyncio.run_coroutine_threadsafe(network.publish(u), loop)`;
 - it reads `peers` and `counters`, plain dicts the loop replaces whole (never mutates) every tick, and
@@ -10,36 +11,46 @@ in two ways only, neither of which waits on the network:
 
 Remote updates merge into the replica here, through `Intake`; the replica's lock makes that safe while the
 compute thread snapshots it.
+
+Hostile input (issue 5): one `PeerGuard` (net/guard.py) stands in front of every service: it holds the run's
+allow list (RunSpec `defence.allowed_senders`) and this peer's run-secret key, the per-remote rate limits, and
+the rejection counts. `peers` holds only members: records of non-members (not in the allow list, or without
+a valid proof of the run secret) are dropped. This peer's record carries its own membership proof and what
+it rejected (by reason, and its worst offenders), so `status` shows them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
-import functools
 import logging
-import os
-import threading
 import time
-from collections.abc import Coroutine
+from collections import Counter
 from typing import Any
+
+from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import ConfigError, RunSpec
 from p2p_diloco.net.discovery import (
     DEFAULT_RECORD_TTL_S,
+    MAX_PEER_RECORD_BYTES,
     PeerRecordValidator,
     announce_peer,
     fetch_run_spec,
     list_peers,
     publish_run_spec,
+    validator_counts,
 )
+from p2p_diloco.net.guard import NOT_IN_ALLOW_LIST, REFUSED_PREFIX, AccessDenied, PeerGuard, ask_admission
+from p2p_diloco.net.netloop import NetLoop, Stopped, exit_with_parent
 from p2p_diloco.net.node import NodeConfig, SwarmNode
-from p2p_diloco.net.status import live, number, text
+from p2p_diloco.net.policy import MEMBER_PROOF_FIELD, MembershipKey, NetPolicy
+from p2p_diloco.net.status import fit_record, live, number, text
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.train.learner import Learner
 from p2p_diloco.wire.envelope import OuterUpdate
 from p2p_diloco.wire.identity import Identity
+
+__all__ = ["NetLoop", "PeerNetwork", "SpecMismatchError", "Stopped", "check_spec", "exit_with_parent"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,83 +64,19 @@ LEAVE_TIMEOUT_S = 3.0
 MAX_ANNOUNCED_MADDRS = 8
 SYNC_ATTEMPTS = 3
 SYNC_RETRY_DELAY_S = 2.0
-
-
-class Stopped(Exception):
-    """The peer was asked to stop (Ctrl-C, SIGTERM) while the compute thread waited on the loop."""
+MAX_RECORD_VV_ENTRIES = 16
+"""The record carries the full version vector only up to this many senders (it must fit in 8 KiB)."""
+MAX_RECORD_OFFENDERS = 4
+LOST_PEER_GRACE_TTLS = 2.0
+"""A peer whose record vanished without a farewell ("left") counts as lost, not gone, for this many record
+TTLs: cut off by a partition, its record expired here while it could not announce, and it comes back once the
+partition heals (libp2p's stalled connections and the DHT's routing tables take seconds to recover). A lingering
+peer does not call the swarm quiet while a peer is lost (`settling`)."""
+_NOT_REJECTIONS = ("merged", "buffered")
 
 
 class SpecMismatchError(ConfigError):
     """The run on the swarm has another RunSpec than ours; the message names the differing fields."""
-
-
-async def _exit_with_parent(_dht: Any, dht_node: Any, parent_pid: int) -> None:
-    """Runs inside hivemind's DHT process: if our process dies without shutting it down (SIGKILL, OOM), take
-    p2pd down and exit, instead of lingering as an orphan that holds the identity and the port."""
-    try:
-        while os.getppid() == parent_pid:
-            await asyncio.sleep(1.0)
-    except asyncio.CancelledError:  # the DHT is shutting down normally
-        return
-    with contextlib.suppress(Exception):
-        dht_node.p2p._terminate()  # hivemind's own teardown of its p2pd child
-    os._exit(0)
-
-
-def exit_with_parent(node: SwarmNode) -> None:
-    """Make the node's DHT process (and its p2pd) exit when this process dies, even by SIGKILL."""
-    try:
-        node.dht.run_coroutine(functools.partial(_exit_with_parent, parent_pid=os.getpid()), return_future=True)
-    except Exception as e:  # a convenience: never a reason to fail
-        logger.debug("could not arm the DHT orphan watchdog error=%r", e)
-
-
-class NetLoop:
-    """An asyncio loop in a daemon thread. `wait` runs a coroutine there and blocks the caller until it ends,
-    the stop event is set (the coroutine is then cancelled and `Stopped` raised) or a timeout passes."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="p2p-diloco-net", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def wait(self, coro_or_future: Any, stop: threading.Event | None = None, timeout_s: float | None = None) -> Any:
-        future = coro_or_future if isinstance(coro_or_future, concurrent.futures.Future) \
-            else self.submit(coro_or_future)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            try:
-                return future.result(timeout=0.2)
-            except concurrent.futures.TimeoutError:
-                pass
-            if stop is not None and stop.is_set():
-                future.cancel()
-                raise Stopped()
-            if deadline is not None and time.monotonic() > deadline:
-                future.cancel()
-                raise TimeoutError(f"network operation did not finish within {timeout_s:g}s")
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        async def cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=timeout_s)
-
-        if self.loop.is_closed():
-            return
-        try:
-            self.submit(cancel_all()).result(timeout_s + 1)
-        except Exception as e:  # leftovers must not keep the process alive; the thread is a daemon anyway
-            logger.debug("net loop: cancelling leftover tasks failed error=%r", e)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout_s)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 def check_spec(theirs: tuple[dict, str] | None, spec: RunSpec) -> None:
@@ -152,11 +99,13 @@ def check_spec(theirs: tuple[dict, str] | None, spec: RunSpec) -> None:
 
 
 class PeerNetwork:
-    """SwarmNode + spec handshake + state sync + Gossip + SnapshotServer + announce/refresh, on one loop."""
+    """SwarmNode + spec handshake + admission + state sync + Gossip + SnapshotServer + EvidenceRelay +
+    announce/refresh, on one loop."""
 
     def __init__(self, spec: RunSpec, identity: Identity, identity_path: str, node_config: NodeConfig, *,
                  gossip_config: Any, sync_config: Any, record_ttl_s: float = DEFAULT_RECORD_TTL_S,
-                 dht_timeout_s: float = 10.0, static_record: dict | None = None) -> None:
+                 dht_timeout_s: float = 10.0, static_record: dict | None = None,
+                 policy: NetPolicy | None = None) -> None:
         self.spec = spec
         self.spec_hash = spec.spec_hash()
         self.run_id = spec.run_id
@@ -168,6 +117,7 @@ class PeerNetwork:
         self.record_ttl_s = record_ttl_s
         self.dht_timeout_s = dht_timeout_s
         self.static_record = dict(static_record or {})
+        self.policy = policy or NetPolicy()
         # Shared with the compute thread: each is replaced whole, never mutated in place.
         self.peers: dict[str, dict] = {}
         self.counters: dict[str, int] = {}
@@ -175,25 +125,39 @@ class PeerNetwork:
         self.sync_donor: str | None = None
         self.node: SwarmNode | None = None
         self.learner: Learner | None = None
+        self.guard: PeerGuard | None = None
         self.gossip: Any = None
         self.server: Any = None
+        self.relay: Any = None
+        self._services: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self._announce_wanted = False
         self._announced_digest: str | None = None
         self._warned_corpus: set[str] = set()
+        self._admission_checked = False
+        self._dht_rejected: dict[str, int] = {}
+        self._proof: str | None = None
+        self._announced_at: float | None = None  # updated_at of our last record (another one: another process)
+        self.lost: dict[str, float] = {}  # peer -> when its record vanished without a farewell (replaced whole)
 
     # ---- start-up ---------------------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Start the node and check the run's spec; returns "published" (we are the first) or "matched"."""
+        """Start the node and check the run's spec; returns "published" (we are the first) or "matched".
+
+        AccessDenied if the run's allow list (in the spec) does not name this peer."""
         started = time.monotonic()
         self.node = await SwarmNode.start(self.identity_path, self.node_config,
                                           record_validators=[PeerRecordValidator([self.run_id])])
         exit_with_parent(self.node)
         logger.info("node up took_s=%.2f", time.monotonic() - started)
+        self.guard = await asyncio.to_thread(self._make_guard)  # scrypt: ~50 ms of CPU, off the loop
         theirs = await fetch_run_spec(self.node, self.run_id, timeout_s=self.dht_timeout_s)
         logger.info("run spec read found=%s took_s=%.2f", theirs is not None, time.monotonic() - started)
         check_spec(theirs, self.spec)
+        if self.guard.allowed and self.node.peer_id not in self.guard.allowed:
+            raise AccessDenied(f"{REFUSED_PREFIX}{NOT_IN_ALLOW_LIST}: this peer ({self.node.peer_id}) is not in the "
+                               "run's allow list; ask the run's operator to add it, or join with another --identity")
         how = "matched" if theirs else "published"
         await publish_run_spec(self.node, self.run_id, self.spec.to_dict(), self.spec_hash,
                                timeout_s=self.dht_timeout_s)  # first peer: publish; later ones: refresh expiry
@@ -202,8 +166,31 @@ class PeerNetwork:
         logger.info("run spec %s took_s=%.2f", how, time.monotonic() - started)
         return how
 
+    def _make_guard(self) -> PeerGuard:
+        secret = self.policy.access.secret()
+        key = MembershipKey(secret, self.run_id) if secret else None
+        self._proof = key.proof(self.node.peer_id) if key else None
+        allowed = getattr(getattr(self.spec, "defence", None), "allowed_senders", ())
+        logger.info("access policy allow_list=%d run_secret=%s", len(allowed), key is not None)
+        return PeerGuard(self.run_id, self_id=self.node.peer_id, limits=self.policy.limits, allowed=allowed, key=key,
+                         refresh_members=self._refresh_peers)
+
+    async def check_admission(self) -> None:
+        """Ask a few live peers whether we may take part (announce our record first: it carries our proof).
+        AccessDenied, with their reason, if every one that answered refused us."""
+        if self._admission_checked:
+            return
+        records = live(await list_peers(self.node, self.run_id, timeout_s=self.dht_timeout_s))
+        records.pop(self.node.peer_id, None)
+        if records:
+            answers = await ask_admission(self.node.p2p, self.run_id, list(records), timeout_s=self.dht_timeout_s)
+            logger.info("admission answers=%s", {pid[-8:]: a[:60] for pid, a in answers.items()})
+            if self.guard.key is not None and all(self.guard.check_record(p, r) for p, r in records.items()):
+                logger.warning("no live peer of the run proves the run secret we hold: is it the right secret?")
+        self._admission_checked = True
+
     async def sync_state(self, learner: Learner, attempts: int = SYNC_ATTEMPTS) -> dict | None:
-        """Load the replica from the freshest live peers (highest V total first), if any has merged updates.
+        """Load the replica from the freshest live members (highest V total first), if any has merged updates.
 
         None if nobody has (we start from the run's seed). Donors that fail are skipped; when all fail, the
         peer list is read again and the sync retried, `attempts` times in all, before StateSyncError.
@@ -213,23 +200,22 @@ class PeerNetwork:
         # Say we are here at once: peers lingering after their last round keep serving while one is "syncing".
         self.learner, self.local = learner, {"state": "syncing"}
         await self._announce()
+        await self.check_admission()
         for attempt in range(1, attempts + 1):
             started = time.monotonic()
-            records = live(await list_peers(self.node, self.run_id, timeout_s=self.dht_timeout_s))
-            logger.info("state sync: %d live peer record(s) took_s=%.2f", len(records), time.monotonic() - started)
-            own = records.pop(self.node.peer_id, None)
-            if own is not None and attempt == 1:
-                logger.warning("this identity already has a live record (updated %.0fs ago): if another process "
-                               "runs with it, give each peer its own --identity",
-                               time.time() - number(own, "updated_at"))
-            donors = sorted((pid for pid, r in records.items() if number(r, "version_vector_total") > 0),
+            records = await self._members(warn_own=attempt == 1)
+            logger.info("state sync: %d live member record(s) took_s=%.2f", len(records), time.monotonic() - started)
+            # A donor that served an unverifiable snapshot is penalized: as if absent, so a hostile peer that
+            # claims the freshest replica cannot keep the first honest peers of a run from starting.
+            donors = sorted((pid for pid, r in records.items() if number(r, "version_vector_total") > 0
+                             and not self.guard.is_penalized(pid)),
                             key=lambda pid: -number(records[pid], "version_vector_total"))
             if not donors:
                 return None
             started = time.monotonic()
             try:
                 theta, vv, donor = await fetch_snapshot(self.node, self.run_id, self.spec_hash, donors,
-                                                        learner.numel, self.sync_config)
+                                                        learner.numel, self.sync_config, guard=self.guard)
             except StateSyncError as e:
                 if attempt == attempts:
                     raise StateSyncError(f"state sync failed {attempts} times; last: {e}") from None
@@ -242,21 +228,41 @@ class PeerNetwork:
                     "seconds": time.monotonic() - started, "candidates": len(donors)}
         return None
 
+    async def _members(self, *, warn_own: bool) -> dict[str, dict]:
+        """Live member records other than ours, read from the DHT now."""
+        records = live(await list_peers(self.node, self.run_id, timeout_s=self.dht_timeout_s))
+        own = records.pop(self.node.peer_id, None)
+        if own is not None and warn_own and own.get("updated_at") != self._announced_at:  # not the one we wrote
+            logger.warning("this identity already has a live record (updated %.0fs ago): if another process "
+                           "runs with it, give each peer its own --identity", time.time() - number(own, "updated_at"))
+        return {pid: r for pid, r in records.items() if self.guard.check_record(pid, r) is None}
+
     async def serve(self, learner: Learner) -> None:
-        """Start gossip, the snapshot server and the announce/refresh tasks; announce at once."""
+        """Start the evidence relay, gossip, the snapshot server, the admission check and the announce/refresh
+        tasks; announce at once."""
+        from p2p_diloco.net.evidence_relay import EvidenceRelay
         from p2p_diloco.net.gossip import Gossip
-        from p2p_diloco.net.statesync import SnapshotServer
+        from p2p_diloco.net.guard import serve_hello
+        from p2p_diloco.net.snapshot_server import SnapshotServer
 
         self.learner, self.local = learner, {"state": "training"}
-        store = UpdateStore(self.gossip_config.retained_bytes)
-        self.gossip = Gossip(self.node, self.run_id, learner.intake, store, self.gossip_config,
-                             peers=self._other_peer_ids)
+        await self.check_admission()  # a peer restored from a checkpoint did not sync: check here
+        cfg = self.gossip_config
+        self.relay = EvidenceRelay(self.node, self.run_id, learner.intake, self._other_peer_ids, self.guard,
+                                   fanout=cfg.fanout, timeout_s=cfg.rpc_timeout_s)
+        await self.relay.start()
+        self._services.append(self.relay)
+        self.gossip = Gossip(self.node, self.run_id, learner.intake, UpdateStore(cfg.retained_bytes), cfg,
+                             peers=self._other_peer_ids, guard=self.guard, on_evidence=self.relay.publish)
         await self.gossip.start()
+        self._services.append(self.gossip)
         if self.sync_donor:
             await self.gossip.request_pull(self.sync_donor)
         self.server = SnapshotServer(self.node, self.run_id, self.spec_hash, learner.replica, self.identity,
-                                     self.sync_config)
+                                     self.sync_config, guard=self.guard)
         await self.server.start()
+        self._services.append(self.server)
+        await serve_hello(self.node.p2p, self.run_id, self.guard, timeout_s=cfg.rpc_timeout_s)
         await self._refresh_peers()
         await self._announce()
         self._tasks = [asyncio.create_task(self._announce_loop(), name="announce"),
@@ -284,10 +290,25 @@ class PeerNetwork:
         vv = self.learner.replica.version_vector
         record = {**self.static_record, **self.local}
         record.update(maddrs=self.node.visible_maddrs()[:MAX_ANNOUNCED_MADDRS], version_vector_total=vv.total(),
-                      vv_digest=vv.digest().hex()[:16], seq=vv.get(self.node.peer_id))
+                      vv_digest=vv.digest().hex()[:16], seq=vv.get(self.node.peer_id), updated_at=get_dht_time())
         if state is not None:
             record["state"] = state
-        return record
+        if self._proof:
+            record[MEMBER_PROOF_FIELD] = self._proof
+        if self.guard is not None:
+            record.update(rejected_by=self._rejection_totals(),
+                          offenders=self.guard.rejections.offenders(MAX_RECORD_OFFENDERS, max_reasons=16),
+                          banned=len(self.learner.replica.banned), dht_rejected=dict(self._dht_rejected))
+        if len(vv) <= MAX_RECORD_VV_ENTRIES:
+            record["vv"] = vv.to_dict()
+        return fit_record(record, MAX_PEER_RECORD_BYTES)
+
+    def _rejection_totals(self) -> dict[str, int]:
+        """Everything refused, by reason: the intake's update outcomes and the guard's network refusals."""
+        totals = Counter({k: n for k, n in dict(self.learner.intake.counts).items() if k not in _NOT_REJECTIONS})
+        if self.guard is not None:
+            totals.update(self.guard.rejections.totals)
+        return dict(totals)
 
     async def _announce(self, state: str | None = None, timeout_s: float | None = None) -> bool:
         record = self._record(state)
@@ -297,9 +318,9 @@ class PeerNetwork:
         except Exception as e:  # the DHT being slow or down must not stop training
             logger.warning("announce failed error=%r", e)
             return False
-        if not ok:
-            logger.warning("announce: no DHT node stored our record")
-        self._announced_digest = record["vv_digest"]
+        if not ok:  # hivemind reports the first replica's answer: one holding a forged record says no
+            logger.warning("announce: the first DHT node asked did not store our record")
+        self._announced_digest, self._announced_at = record["vv_digest"], record["updated_at"]
         return ok
 
     async def _announce_loop(self) -> None:
@@ -320,18 +341,46 @@ class PeerNetwork:
                 logger.exception("announce tick failed")
 
     async def _refresh_peers(self) -> None:
+        """Read the records, keep the members' (`peers`), note the DHT's rejections; also the guard's refresh."""
+        dropped: Counter = Counter()
         try:
-            records = await list_peers(self.node, self.run_id, timeout_s=self.dht_timeout_s)
+            records = await list_peers(self.node, self.run_id, timeout_s=self.dht_timeout_s, rejected=dropped)
         except Exception as e:
             logger.warning("listing peers failed error=%r", e)
             return
         fingerprint = self.static_record.get("corpus")
+        members: dict[str, dict] = {}
         for pid, record in records.items():
+            if pid != self.node.peer_id and self.guard is not None and self.guard.check_record(pid, record):
+                dropped["not_member"] += 1
+                continue
+            members[pid] = record
             if fingerprint and text(record, "corpus") not in ("", fingerprint) and pid not in self._warned_corpus:
                 self._warned_corpus.add(pid)
                 logger.warning("peer %s trains on another corpus (fingerprint %s, ours %s): a different Python "
                                "version's stdlib or another file", pid, text(record, "corpus"), fingerprint)
-        self.peers = live(records)
+        self._note_lost(members)
+        self.peers = live(members)
+        try:  # what our DHT node refused (cumulative), plus what this read dropped (records visible now)
+            dropped.update(await validator_counts(self.node, timeout_s=self.dht_timeout_s))
+        except Exception as e:
+            logger.debug("reading the DHT validator's counts failed error=%r", e)
+        self._dht_rejected = dict(dropped)
+
+    def _note_lost(self, members: dict[str, dict]) -> None:
+        """Peers listed live before and now without any record (a "left" one stays listed until it expires)."""
+        now, grace_s = time.monotonic(), LOST_PEER_GRACE_TTLS * self.record_ttl_s
+        lost = {pid: t for pid, t in self.lost.items() if pid not in members and now - t < grace_s}
+        lost.update({pid: now for pid in self.peers if pid not in members and pid != self.node.peer_id})
+        vanished = [pid[-8:] for pid in lost.keys() - self.lost.keys()]
+        if vanished:
+            logger.info("peer record(s) vanished without a farewell peers=%s", vanished)
+        self.lost = lost
+
+    def settling(self) -> bool:
+        """Thread-safe: True while updates we lack may still come although every listed peer agrees with us: a
+        peer is lost (see LOST_PEER_GRACE_TTLS), or a pull is due from a peer that holds updates we lack."""
+        return bool(self.lost) or (self.gossip is not None and self.gossip.pulling_missing())
 
     async def _refresh_loop(self) -> None:
         started = time.monotonic()
@@ -350,13 +399,16 @@ class PeerNetwork:
         counts = dict(self.learner.intake.counts)
         out = {"merged": counts.get("merged", 0), "duplicate": counts.get("duplicate", 0),
                "rejected": sum(n for k, n in counts.items() if k not in ("merged", "buffered", "duplicate"))}
-        stats = getattr(self.gossip, "stats", None) or {}
-        out.update({k: int(v) for k, v in dict(stats).items() if isinstance(v, (int, float))})
+        for service in (self.gossip, self.relay):
+            stats = getattr(service, "stats", None) or {}
+            out.update({k: int(v) for k, v in dict(stats).items() if isinstance(v, (int, float))})
         out.setdefault("bytes_sent", 0)
         out.setdefault("bytes_received", 0)
         served = getattr(self.server, "stats", None) or {}
         out["snapshot_bytes_sent"] = int(served.get("bytes_sent", 0))
         out["bytes_sent"] += out["snapshot_bytes_sent"]  # everything we uploaded: updates and snapshots
+        if self.guard is not None:
+            out["refused"] = sum(self.guard.rejections.totals.values())
         return out
 
     # ---- leaving ------------------------------------------------------------------------------------------
@@ -369,9 +421,7 @@ class PeerNetwork:
         self._tasks = []
         if self.learner is not None and self.node is not None and self.node.is_alive:
             await self._announce(state="left", timeout_s=LEAVE_TIMEOUT_S)
-        for service in (self.gossip, self.server):
-            if service is None:
-                continue
+        for service in self._services:
             try:
                 await asyncio.wait_for(service.stop(), LEAVE_TIMEOUT_S)
             except Exception as e:

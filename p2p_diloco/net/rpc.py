@@ -8,11 +8,18 @@ bounded and timed out, and the handler task never leaks an exception.
 Protocol on one libp2p stream (protocol id = the handler name, namespaced by run id by the caller):
     caller -> server   DATA(request)
     server -> caller   DATA(chunk)* END        or        DATA(chunk)* ERROR(utf-8 message)
-Each frame is a 1-byte kind and a 4-byte big-endian length, then the payload. A unary response is one DATA
-frame; a streamed response is one DATA frame per chunk the handler yields. The server checks the request size
-against `max_request_bytes` before reading it (a refused request is then read and discarded, bounded by
-`timeout_s`: closing with unread data makes p2pd reset the stream, and the caller would never see the refusal);
-the caller checks every length before reading it.
+Each frame (net/framing.py) is a 1-byte kind and a 4-byte big-endian length, then the payload. A unary response
+is one DATA frame; a streamed response is one DATA frame per chunk the handler yields. The server checks the
+request size against `max_request_bytes` before reading it (a refused request is then read and discarded,
+bounded by `timeout_s`: closing with unread data makes p2pd reset the stream, and the caller would never see
+the refusal); the caller checks every length before reading it.
+
+Hostile remotes (issue 5): besides the per-read `timeout_s`, a stream must keep up an average pace of
+`min_bytes_per_s` after a grace of `timeout_s` (`Pace`), on both sides, so a never-ending trickle (a byte a
+second, or empty frames just inside the timeout) is cut by a total deadline that grows only with the bytes
+actually moved. A server may be given a `guard` (net/guard.py): after the 5-byte request header, and before
+the request is read, it decides whether this caller may be served now (access, rate limits, open streams);
+its refusal message goes back to the caller, and every refusal of the RPC layer is reported to it.
 """
 
 from __future__ import annotations
@@ -20,21 +27,30 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Protocol
 
 from hivemind.p2p import P2P, PeerID
+
+from p2p_diloco.net.framing import (
+    DATA,
+    END,
+    ERROR,
+    MAX_ERROR_BYTES,
+    Pace,
+    TooSlow,
+    discard,
+    read_header,
+    read_payload,
+    write_frame,
+)
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, str], "Awaitable[bytes | AsyncIterator[bytes]] | AsyncIterator[bytes]"]
 
-DATA, END, ERROR = 0, 1, 2
-_HEADER = struct.Struct(">BI")
-MAX_ERROR_BYTES = 2048
-"""Error messages longer than this are truncated (both when sent and when read)."""
 
 
 class RpcError(Exception):
@@ -51,6 +67,10 @@ class RpcRemoteError(RpcError):
 
 class RpcTimeoutError(RpcError, TimeoutError):
     """No answer (or no next chunk) within the timeout."""
+
+
+class RpcSlowError(RpcTimeoutError):
+    """The response came slower than the minimum pace (`min_bytes_per_s` after the grace period)."""
 
 
 class RpcTooLargeError(RpcError):
@@ -72,9 +92,25 @@ class RpcStats:
     rejected_oversize: int = 0
     rejected_busy: int = 0
     rejected_malformed: int = 0
+    rejected_policy: int = 0
+    slow_streams: int = 0
     disconnects: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+
+
+class Guard(Protocol):
+    """What `serve` asks before serving a request (implemented by net/guard.PeerGuard)."""
+
+    async def admit(self, caller: str, handler: str, request_bytes: int) -> str | None:
+        """None to serve the request (then `release(caller)` follows), else the refusal sent to the caller."""
+
+    def release(self, caller: str) -> None: ...
+
+    def charge_out(self, caller: str, nbytes: int) -> None: ...
+
+    def on_reject(self, caller: str, counter: str) -> None:
+        """The RPC layer refused or cut a stream by itself; `counter` is the RpcStats field it counted."""
 
 
 class _HandlerFailed(Exception):
@@ -90,157 +126,180 @@ class _Reject(Exception):
         self.unread_bytes = unread_bytes
 
 
-async def _write_frame(writer: asyncio.StreamWriter, kind: int, payload: bytes, timeout_s: float) -> None:
-    writer.write(_HEADER.pack(kind, len(payload)))
-    if payload:
-        writer.write(payload)
-    await asyncio.wait_for(writer.drain(), timeout_s)
-
-
-async def _read_header(reader: asyncio.StreamReader, timeout_s: float) -> tuple[int, int]:
-    header = await asyncio.wait_for(reader.readexactly(_HEADER.size), timeout_s)
-    return _HEADER.unpack(header)
-
-
-READ_SLICE_BYTES = 1 << 20
-
-
-async def _read_payload(reader: asyncio.StreamReader, length: int, timeout_s: float) -> bytes:
-    """Read `length` bytes in 1 MiB slices, each within `timeout_s`: a large frame on a slow link keeps
-    making progress and is not cut off, while a stalled stream still times out after `timeout_s`."""
-    parts = []
-    while length > 0:
-        part = await asyncio.wait_for(reader.readexactly(min(length, READ_SLICE_BYTES)), timeout_s)
-        parts.append(part)
-        length -= len(part)
-    return b"".join(parts)
-
-
-async def _discard(reader: asyncio.StreamReader, n_bytes: int) -> None:
-    while n_bytes > 0:
-        data = await reader.read(min(n_bytes, 1 << 16))
-        if not data:
-            return
-        n_bytes -= len(data)
-
-
 # ---------------------------------------------------------------------------------------------- server
 
 
-async def serve(p2p: P2P, name: str, handler: Handler, *, max_request_bytes: int, timeout_s: float,
-                max_concurrent: int = 16) -> RpcStats:
-    """Serve `handler(request, caller_peer_id)` under protocol `name` on `p2p`; returns its live counters.
+class _Server:
+    """One served handler: the stream callback and its steps (see `serve`)."""
 
-    The handler returns bytes, or an async iterator of byte chunks (it may also be an async generator function).
-    Limits: requests over `max_request_bytes` are refused unread; reading the request, producing the response
-    (each chunk), and sending each frame get `timeout_s` each; more than `max_concurrent` calls in flight are
-    refused. A handler exception is sent to the caller as "<Type>: <message>" (raise RpcError for a clean message).
-    """
-    stats = RpcStats()
-    slots = asyncio.Semaphore(max_concurrent)
+    def __init__(self, name: str, handler: Handler, *, max_request_bytes: int, timeout_s: float,
+                 max_concurrent: int, guard: Guard | None, min_bytes_per_s: float) -> None:
+        self.name, self.handler, self.guard = name, handler, guard
+        self.max_request_bytes, self.timeout_s, self.max_concurrent = max_request_bytes, timeout_s, max_concurrent
+        self.min_bytes_per_s = min_bytes_per_s
+        self.stats = RpcStats()
+        self.slots = asyncio.Semaphore(max_concurrent)
 
-    async def on_stream(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def on_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Called by hivemind's p2pclient for each incoming stream; nothing may escape from here.
-        stats.requests += 1
+        self.stats.requests += 1
         caller = "?"
         try:
             caller = stream_info.peer_id.to_base58()
-            if slots.locked():
-                raise _Reject(f"busy: {max_concurrent} calls in flight", "rejected_busy")
-            async with slots:
-                await _serve_one(reader, writer, caller)
+            if self.slots.locked():
+                raise _Reject(f"busy: {self.max_concurrent} calls in flight", "rejected_busy")
+            async with self.slots:
+                await self._serve_one(reader, writer, caller, Pace(self.timeout_s, self.min_bytes_per_s))
         except _Reject as e:
-            setattr(stats, e.counter, getattr(stats, e.counter) + 1)
-            logger.info("rpc request refused handler=%s caller=%s reason=%s", name, caller, e)
+            setattr(self.stats, e.counter, getattr(self.stats, e.counter) + 1)
+            if self.guard is not None and e.counter != "rejected_policy":  # the guard counted its own refusal
+                self.guard.on_reject(caller, e.counter)
+            logger.info("rpc request refused handler=%s caller=%s reason=%s", self.name, caller, e)
             with suppress(Exception):
-                await _write_frame(writer, ERROR, str(e).encode()[:MAX_ERROR_BYTES], timeout_s)
+                await write_frame(writer, ERROR, str(e).encode()[:MAX_ERROR_BYTES], self.timeout_s)
                 # Closing with the request still unread makes p2pd reset the stream, and the caller would
                 # see "connection reset" instead of our message: discard it (bounded by timeout_s) first.
-                await asyncio.wait_for(_discard(reader, e.unread_bytes), timeout_s)
+                await asyncio.wait_for(discard(reader, e.unread_bytes), self.timeout_s)
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
-            stats.disconnects += 1
-            logger.debug("rpc caller went away handler=%s caller=%s error=%r", name, caller, e)
+            self.stats.disconnects += 1
+            logger.debug("rpc caller went away handler=%s caller=%s error=%r", self.name, caller, e)
         except asyncio.CancelledError:
             raise  # shutdown
         except Exception:  # a bug in this module: log it, never let it escape into hivemind's task
-            logger.exception("rpc stream failed handler=%s caller=%s", name, caller)
+            logger.exception("rpc stream failed handler=%s caller=%s", self.name, caller)
         finally:
             writer.close()
 
-    async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, caller: str) -> None:
-        request = await _read_request(reader)
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, caller: str,
+                         pace: Pace) -> None:
+        length = await self._read_request_header(reader, pace)
+        if self.guard is not None:
+            refusal = await self._admit(caller, length)
+            if refusal:
+                raise _Reject(refusal, "rejected_policy", unread_bytes=length)
         try:
-            result = await _guarded(_invoke(request, caller))
+            await self._respond(reader, writer, caller, await self._read_request(reader, length, pace), pace)
+        finally:
+            if self.guard is not None:
+                self.guard.release(caller)
+
+    async def _admit(self, caller: str, length: int) -> str | None:
+        try:
+            return await asyncio.wait_for(self.guard.admit(caller, self.name, length), self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in the guard must refuse, not crash or serve
+            logger.exception("rpc guard failed handler=%s caller=%s", self.name, caller)
+            return f"refused: {type(e).__name__}"
+
+    async def _respond(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, caller: str, request: bytes,
+                       pace: Pace) -> None:
+        try:
+            result = await self._guarded(self._invoke(request, caller))
             if isinstance(result, (bytes, bytearray, memoryview)):
-                await _write_frame(writer, DATA, bytes(result), timeout_s)
-                stats.bytes_out += len(result)
+                await self._send(writer, bytes(result), caller, pace)
             else:
-                await _send_chunks(result, writer)
+                await self._send_chunks(result, writer, caller, pace)
         except _HandlerFailed as e:
-            stats.handler_errors += 1
-            logger.info("rpc handler failed handler=%s caller=%s error=%s", name, caller, e)
-            await _write_frame(writer, ERROR, str(e).encode()[:MAX_ERROR_BYTES], timeout_s)
+            self.stats.handler_errors += 1
+            logger.info("rpc handler failed handler=%s caller=%s error=%s", self.name, caller, e)
+            await write_frame(writer, ERROR, str(e).encode()[:MAX_ERROR_BYTES], self.timeout_s)
             return
-        await _write_frame(writer, END, b"", timeout_s)
-        stats.ok += 1
+        await write_frame(writer, END, b"", self.timeout_s)
+        self.stats.ok += 1
         # Closing right after the last frame lets p2pd cut off the response's tail now and then (19 in 10,500
         # 1 MiB streams measured here); waiting, bounded, for the caller to close first made that 0 in 10,500.
         with suppress(Exception):
-            await asyncio.wait_for(reader.read(1), min(timeout_s, 5.0))
+            await asyncio.wait_for(reader.read(1), min(self.timeout_s, 5.0))
 
-    async def _invoke(request: bytes, caller: str) -> bytes | AsyncIterator[bytes]:
-        result = handler(request, caller)
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes, caller: str, pace: Pace) -> None:
+        if self.guard is not None:
+            self.guard.charge_out(caller, len(data))
+        try:
+            await write_frame(writer, DATA, data, self.timeout_s, pace)
+        except TooSlow as e:
+            raise _Reject(f"response not read fast enough: {e}", "slow_streams") from None
+        except asyncio.TimeoutError:
+            raise _Reject(f"response not read within {self.timeout_s:g}s", "timeouts") from None
+        self.stats.bytes_out += len(data)
+
+    async def _invoke(self, request: bytes, caller: str) -> bytes | AsyncIterator[bytes]:
+        result = self.handler(request, caller)
         if inspect.isawaitable(result):
             result = await result
         if not isinstance(result, (bytes, bytearray, memoryview)) and not hasattr(result, "__aiter__"):
             raise TypeError(f"handler returned {type(result).__name__}, expected bytes or an async iterator")
         return result
 
-    async def _guarded(step: Awaitable):
+    async def _guarded(self, step: Awaitable):
         """Run one step of the handler within timeout_s; its failures become _HandlerFailed."""
         try:
-            return await asyncio.wait_for(step, timeout_s)
+            return await asyncio.wait_for(step, self.timeout_s)
         except asyncio.TimeoutError:
-            raise _Reject(f"handler timed out after {timeout_s:g}s", "timeouts") from None
+            raise _Reject(f"handler timed out after {self.timeout_s:g}s", "timeouts") from None
         except StopAsyncIteration:
             raise
         except Exception as e:
             raise _HandlerFailed(str(e) if isinstance(e, RpcError) else f"{type(e).__name__}: {e}") from None
 
-    async def _send_chunks(chunks: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
+    async def _send_chunks(self, chunks: AsyncIterator[bytes], writer: asyncio.StreamWriter, caller: str,
+                           pace: Pace) -> None:
         iterator = chunks.__aiter__()
         try:
             while True:
                 try:
-                    chunk = await _guarded(iterator.__anext__())
+                    chunk = await self._guarded(iterator.__anext__())
                 except StopAsyncIteration:
                     return
                 if not isinstance(chunk, (bytes, bytearray, memoryview)):
                     raise _HandlerFailed(f"TypeError: handler yielded {type(chunk).__name__}, expected bytes")
-                await _write_frame(writer, DATA, bytes(chunk), timeout_s)
-                stats.bytes_out += len(chunk)
+                await self._send(writer, bytes(chunk), caller, pace)
         finally:
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
                 with suppress(Exception):
-                    await asyncio.wait_for(aclose(), timeout_s)
+                    await asyncio.wait_for(aclose(), self.timeout_s)
 
-    async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    async def _read_request_header(self, reader: asyncio.StreamReader, pace: Pace) -> int:
         try:
-            kind, length = await _read_header(reader, timeout_s)
-            if kind != DATA:
-                raise _Reject(f"malformed request: frame kind {kind}", "rejected_malformed")
-            if length > max_request_bytes:
-                raise _Reject(f"request too large: {length} > {max_request_bytes} bytes", "rejected_oversize",
-                              unread_bytes=length)
-            request = await _read_payload(reader, length, timeout_s)
+            kind, length = await read_header(reader, self.timeout_s, pace)
         except asyncio.TimeoutError:
-            raise _Reject(f"request not received within {timeout_s:g}s", "timeouts") from None
-        stats.bytes_in += length
+            raise _Reject(f"request not received within {self.timeout_s:g}s", "timeouts") from None
+        except TooSlow as e:
+            raise _Reject(f"request too slow: {e}", "slow_streams") from None
+        if kind != DATA:
+            raise _Reject(f"malformed request: frame kind {kind}", "rejected_malformed")
+        if length > self.max_request_bytes:
+            raise _Reject(f"request too large: {length} > {self.max_request_bytes} bytes", "rejected_oversize",
+                          unread_bytes=length)
+        return length
+
+    async def _read_request(self, reader: asyncio.StreamReader, length: int, pace: Pace) -> bytes:
+        try:
+            request = await read_payload(reader, length, self.timeout_s, pace)
+        except asyncio.TimeoutError:
+            raise _Reject(f"request not received within {self.timeout_s:g}s", "timeouts") from None
+        except TooSlow as e:
+            raise _Reject(f"request too slow: {e}", "slow_streams") from None
+        self.stats.bytes_in += length
         return request
 
-    await p2p.add_binary_stream_handler(name, on_stream)
-    return stats
+
+async def serve(p2p: P2P, name: str, handler: Handler, *, max_request_bytes: int, timeout_s: float,
+                max_concurrent: int = 16, guard: Guard | None = None, min_bytes_per_s: float = 0.0) -> RpcStats:
+    """Serve `handler(request, caller_peer_id)` under protocol `name` on `p2p`; returns its live counters.
+
+    The handler returns bytes, or an async iterator of byte chunks (it may also be an async generator function).
+    Limits: requests over `max_request_bytes` are refused unread; reading the request, producing the response
+    (each chunk), and sending each frame get `timeout_s` each; more than `max_concurrent` calls in flight are
+    refused; with `min_bytes_per_s`, reading the request and sending the response must keep that pace after a
+    grace of `timeout_s`; a `guard` may refuse the caller before the request is read. A handler exception is
+    sent to the caller as "<Type>: <message>" (raise RpcError for a clean message).
+    """
+    server = _Server(name, handler, max_request_bytes=max_request_bytes, timeout_s=timeout_s,
+                     max_concurrent=max_concurrent, guard=guard, min_bytes_per_s=min_bytes_per_s)
+    await p2p.add_binary_stream_handler(name, server.on_stream)
+    return server.stats
 
 
 async def unserve(p2p: P2P, name: str) -> None:
@@ -263,7 +322,7 @@ async def _open(p2p: P2P, peer_id: str, name: str, request: bytes, timeout_s: fl
     except Exception as e:  # p2pd: "protocol not supported", "all dials failed", ...
         raise RpcConnectionError(f"could not open '{name}' on peer {peer_id}: {e}") from e
     try:
-        await _write_frame(writer, DATA, request, timeout_s)
+        await write_frame(writer, DATA, request, timeout_s)
     except (ConnectionError, OSError) as e:
         # The server may have refused the request before reading it all (e.g. too large) and closed the
         # stream; its ERROR frame is then already waiting in our socket. Report that rather than the reset.
@@ -287,17 +346,18 @@ async def _open(p2p: P2P, peer_id: str, name: str, request: bytes, timeout_s: fl
 
 
 async def _read_frames(reader: asyncio.StreamReader, peer_id: str, name: str, *, max_chunk_bytes: int,
-                       max_total_bytes: int, timeout_s: float) -> AsyncIterator[bytes]:
-    """Yield DATA payloads until END; raise RpcError subclasses on ERROR, oversize, timeout or disconnect."""
+                       max_total_bytes: int, timeout_s: float, pace: Pace | None = None) -> AsyncIterator[bytes]:
+    """Yield DATA payloads until END; raise RpcError subclasses on ERROR, oversize, timeout, slowness or
+    disconnect."""
     where = f"'{name}' on peer {peer_id}"
     total = 0
     try:
         while True:
-            kind, length = await _read_header(reader, timeout_s)
+            kind, length = await read_header(reader, timeout_s, pace)
             if kind == END:
                 return
             if kind == ERROR:
-                message = (await _read_payload(reader, min(length, MAX_ERROR_BYTES), timeout_s)).decode(
+                message = (await read_payload(reader, min(length, MAX_ERROR_BYTES), timeout_s)).decode(
                     "utf-8", errors="replace")
                 raise RpcRemoteError(f"{where} failed: {message}", message)
             if kind != DATA:
@@ -306,7 +366,9 @@ async def _read_frames(reader: asyncio.StreamReader, peer_id: str, name: str, *,
                 raise RpcTooLargeError(f"{where} sent {total + length}+ bytes (chunk {length}); the limit is "
                                        f"{max_chunk_bytes} per chunk and {max_total_bytes} in all")
             total += length
-            yield await _read_payload(reader, length, timeout_s)
+            yield await read_payload(reader, length, timeout_s, pace)
+    except TooSlow as e:
+        raise RpcSlowError(f"{where} sent too slowly: {e}") from None
     except asyncio.TimeoutError:
         raise RpcTimeoutError(f"{where} did not answer within {timeout_s:g}s") from None
     except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
@@ -333,15 +395,19 @@ async def call(p2p: P2P, peer_id: str, name: str, request: bytes, *, max_respons
 
 
 async def call_stream(p2p: P2P, peer_id: str, name: str, request: bytes, *, max_chunk_bytes: int,
-                      max_total_bytes: int, timeout_s: float) -> AsyncIterator[bytes]:
+                      max_total_bytes: int, timeout_s: float, min_bytes_per_s: float = 0.0) -> AsyncIterator[bytes]:
     """Yield the response chunks as they arrive; each within `timeout_s`, each and all of them bounded.
 
-    Iterate to the end, or close it (`contextlib.aclosing`) to release the stream early.
+    With `min_bytes_per_s`, the whole response must keep that average pace after a grace of `timeout_s` (the
+    time the caller spends between chunks counts too: keep it small), else RpcSlowError: a remote that sends
+    forever, however slowly, is cut. Iterate to the end, or close it (`contextlib.aclosing`) to release the
+    stream early.
     """
     reader, writer = await _open(p2p, peer_id, name, request, timeout_s)
+    pace = Pace(timeout_s, min_bytes_per_s) if min_bytes_per_s > 0 else None
     try:
         async for chunk in _read_frames(reader, peer_id, name, max_chunk_bytes=max_chunk_bytes,
-                                        max_total_bytes=max_total_bytes, timeout_s=timeout_s):
+                                        max_total_bytes=max_total_bytes, timeout_s=timeout_s, pace=pace):
             yield chunk
     finally:
         writer.close()

@@ -1,6 +1,6 @@
 """State sync: a joiner fetches a verified snapshot of (theta, V) from a donor (DESIGN.md section 4, "State sync").
 
-Protocol: two RPCs per run on the donor's P2P replica.
+Protocol: two RPCs per run on the donor's P2P replica (the donor's side: net/snapshot_server.py).
 
   manifest  "p2p-diloco/<run_id>/manifest"
       request  = msgpack {"run_id", "spec_hash", "numel"}      the joiner's own (a mismatch is refused, saying so)
@@ -11,18 +11,15 @@ Protocol: two RPCs per run on the donor's P2P replica.
       request  = msgpack {"snapshot_id", "index"}
       response = bytes [index * chunk_bytes, (index + 1) * chunk_bytes) of theta as little-endian float32
 
-The donor takes `replica.snapshot()` when a manifest is asked for: a copy of theta and the vector naming
-exactly the updates summed into it. It keeps the snapshot (at most MAX_CACHED_SNAPSHOTS, each dropped
-`snapshot_ttl_s` after its last request) so that all chunks of one manifest come from one consistent state; a
-chunk of a snapshot no longer held is refused, and the joiner moves on. Requests within `snapshot_reuse_s` of
-the last snapshot, or while the replica has not changed, share it.
-
-The joiner trusts nothing it has not checked: the manifest's signature against the donor's PeerID (the one
-libp2p authenticated for the stream), its run id, spec hash and numel against its own (it allocates from its
-own numel, never from a remote's), the chunk count against numel, the vector's syntax; then every chunk
-against its digest and every value for finiteness. Any failure drops that donor (the reason is
-logged) and the joiner starts over with the next one. After loading the snapshot, the joiner pulls the
-updates newer than its V by gossip.
+The joiner trusts nothing it has not checked, and never loads a snapshot it could not verify: the manifest's
+signature against the donor's PeerID (the one libp2p authenticated for the stream), its run id, spec hash and
+numel against its own (it allocates from its own numel, never from a remote's), the chunk count against
+numel, the vector's syntax; then every chunk against its digest and every value for finiteness. Any failure
+drops that donor (the reason is logged, and counted against the donor by the guard: `bad_manifest`,
+`bad_chunk`, `nonfinite_chunk`, or how the call failed), and the joiner starts over with the next one. A
+donor that served something unverifiable is also penalized: it is not asked again for a while, so a hostile
+donor that claims the freshest replica costs each joiner one attempt. After loading the snapshot, the joiner
+pulls the updates newer than its V by gossip.
 """
 
 from __future__ import annotations
@@ -32,10 +29,8 @@ import hashlib
 import hmac
 import logging
 import math
-import secrets
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,16 +41,12 @@ import torch
 
 from p2p_diloco.net import rpc
 from p2p_diloco.net.node import SwarmNode
-from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.wire.envelope import sign_blob, verify_blob
-from p2p_diloco.wire.identity import Identity
+from p2p_diloco.wire.envelope import verify_blob
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_DOMAIN = b"p2p-diloco/manifest/v1"
-MAX_CACHED_SNAPSHOTS = 2
-"""Snapshots a donor holds at once (each is a full fp32 copy of theta); the oldest goes first."""
 MAX_CHUNK_BYTES = 64 << 20
 """Largest chunk a joiner accepts a manifest to declare (bounds one response in memory)."""
 MAX_REQUEST_BYTES = 1024
@@ -71,7 +62,12 @@ class StateSyncError(RuntimeError):
 
 
 class DonorError(Exception):
-    """One donor failed (bad manifest, bad chunk, timeout...); the joiner moves on to the next donor."""
+    """One donor served something unverifiable; the joiner moves on to the next donor. `reason` is counted:
+    bad_manifest, bad_chunk or nonfinite_chunk."""
+
+    def __init__(self, message: str, reason: str = "bad_manifest") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -128,179 +124,6 @@ def _check_host() -> None:
         raise StateSyncError("state sync sends theta as little-endian float32; this host is big-endian")
 
 
-# ---------------------------------------------------------------------------------------------- donor
-
-
-@dataclass
-class _Snapshot:
-    snapshot_id: str
-    theta: torch.Tensor  # the copy the chunks are cut from (kept alive with `data`)
-    data: memoryview  # theta's bytes
-    version_vector: VersionVector
-    taken_at: float  # monotonic
-    used_at: float  # monotonic, last manifest or chunk request
-    response: bytes  # the signed manifest message
-
-
-class SnapshotServer:
-    """Serves signed snapshots of one replica. `await start()`; always `await stop()`.
-
-    RPC handlers are `rpc_manifest` and `rpc_chunk`; `_check_request`, `_state`, `_read_chunk` and `_sign` are
-    the seams tests override to inject faults.
-    """
-
-    def __init__(self, node: SwarmNode, run_id: str, spec_hash: str, replica: Replica, identity: Identity,
-                 config: StateSyncConfig):
-        if identity.peer_id != node.peer_id:
-            raise ValueError(f"identity {identity.peer_id} is not this node's ({node.peer_id})")
-        _check_host()
-        self.node = node
-        self.run_id = run_id
-        self.spec_hash = spec_hash
-        self.replica = replica
-        self.identity = identity
-        self.config = config.validate()
-        self.numel = replica.theta.numel()
-        self.stats: dict[str, int] = dict.fromkeys(
-            ("manifests_served", "snapshots_taken", "chunks_served", "bytes_sent", "refused"), 0)
-        self.rpc_stats: dict[str, rpc.RpcStats] = {}
-        self._cache: OrderedDict[str, _Snapshot] = OrderedDict()
-        self._snapshot_lock: asyncio.Lock | None = None
-        self._serving: list[str] = []
-
-    async def start(self) -> None:
-        """Serve the manifest and chunk RPCs."""
-        self._snapshot_lock = asyncio.Lock()
-        p2p, timeout_s = self.node.p2p, self.config.timeout_s
-        for name, handler, concurrent in ((manifest_name(self.run_id), self.rpc_manifest, 4),
-                                          (chunk_name(self.run_id), self.rpc_chunk,
-                                           self.config.max_concurrent_chunks)):
-            self.rpc_stats[name.rsplit("/", 1)[-1]] = await rpc.serve(
-                p2p, name, handler, max_request_bytes=MAX_REQUEST_BYTES, timeout_s=timeout_s,
-                max_concurrent=concurrent)
-            self._serving.append(name)
-
-    async def stop(self) -> None:
-        """Stop serving and drop the cached snapshots. Idempotent; bounded by timeout_s."""
-        for name in self._serving:
-            try:
-                await asyncio.wait_for(rpc.unserve(self.node.p2p, name), self.config.timeout_s / 2)
-            except Exception as e:  # e.g. the node is already shut down
-                logger.debug("state sync unserve failed name=%s error=%r", name, e)
-        self._serving.clear()
-        self._cache.clear()
-
-    # ---- handlers -----------------------------------------------------------------------------------------
-
-    async def rpc_manifest(self, request: bytes, caller: str) -> bytes:
-        try:
-            self._check_request(_unpack(request, "manifest request", max_bin_len=0, max_array_len=0))
-        except (ValueError, rpc.RpcError) as e:
-            self.stats["refused"] += 1
-            raise rpc.RpcError(str(e)) from None
-        assert self._snapshot_lock is not None, "SnapshotServer.start was not called"
-        async with self._snapshot_lock:  # one snapshot at a time, however many joiners ask
-            snapshot = self._reusable() or await self._take_snapshot()
-        self.stats["manifests_served"] += 1
-        logger.info("state sync manifest served joiner=%s snapshot_id=%s numel=%d", caller, snapshot.snapshot_id,
-                    self.numel)
-        return snapshot.response
-
-    async def rpc_chunk(self, request: bytes, caller: str) -> bytes:
-        try:
-            message = _unpack(request, "chunk request", max_bin_len=0, max_array_len=0)
-            snapshot_id, index = message["snapshot_id"], message["index"]
-            if not isinstance(snapshot_id, str) or type(index) is not int:
-                raise ValueError("snapshot_id must be a str and index an int")
-        except (ValueError, KeyError, TypeError) as e:
-            self.stats["refused"] += 1
-            raise rpc.RpcError(f"malformed chunk request: {e}") from None
-        self._expire()
-        snapshot = self._cache.get(snapshot_id)
-        if snapshot is None:
-            self.stats["refused"] += 1
-            raise rpc.RpcError(f"snapshot {snapshot_id[:32]!r} expired or unknown; ask for a new manifest")
-        n_chunks = math.ceil(len(snapshot.data) / self.config.chunk_bytes)
-        if not 0 <= index < n_chunks:
-            self.stats["refused"] += 1
-            raise rpc.RpcError(f"chunk index {index} out of range [0, {n_chunks})")
-        snapshot.used_at = time.monotonic()
-        chunk = self._read_chunk(snapshot, index)
-        self.stats["chunks_served"] += 1
-        self.stats["bytes_sent"] += len(chunk)
-        return chunk
-
-    # ---- seams (overridden by fault-injecting tests) --------------------------------------------------------
-
-    def _check_request(self, message: Any) -> None:
-        """Refuse a joiner of another run, spec or model size, telling it what differs."""
-        if not isinstance(message, dict):
-            raise ValueError("manifest request must be a map")
-        if message.get("run_id") != self.run_id or message.get("spec_hash") != self.spec_hash:
-            raise rpc.RpcError(f"this donor serves run {self.run_id!r} spec {self.spec_hash[:16]}; you asked for "
-                               f"run {str(message.get('run_id'))[:64]!r} spec {str(message.get('spec_hash'))[:16]}")
-        if message.get("numel") != self.numel:
-            raise rpc.RpcError(f"this donor's model has {self.numel} parameters, you asked for "
-                               f"{str(message.get('numel'))[:24]}")
-
-    def _read_chunk(self, snapshot: _Snapshot, index: int) -> bytes:
-        size = self.config.chunk_bytes
-        return bytes(snapshot.data[index * size:(index + 1) * size])
-
-    def _sign(self, manifest_bytes: bytes) -> bytes:
-        return sign_blob(self.identity, MANIFEST_DOMAIN, manifest_bytes)
-
-    def _state(self) -> tuple[torch.Tensor, VersionVector]:
-        """A consistent copy of (theta, V) as float32 on the CPU; runs in a worker thread."""
-        theta, vv = self.replica.snapshot()
-        return theta.detach().to("cpu", torch.float32).contiguous(), vv
-
-    # ---- snapshots ----------------------------------------------------------------------------------------
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for snapshot_id in [k for k, s in self._cache.items() if now - s.used_at > self.config.snapshot_ttl_s]:
-            del self._cache[snapshot_id]
-
-    def _reusable(self) -> _Snapshot | None:
-        self._expire()
-        if not self._cache:
-            return None
-        newest = next(reversed(self._cache.values()))
-        now = time.monotonic()
-        if newest.version_vector == self.replica.version_vector or now - newest.taken_at < self.config.snapshot_reuse_s:
-            newest.used_at = now
-            return newest
-        return None
-
-    async def _take_snapshot(self) -> _Snapshot:
-        # Copying and hashing theta is CPU work (about a second for 100M parameters): off the loop.
-        snapshot = await asyncio.to_thread(self._build_snapshot)
-        self._cache[snapshot.snapshot_id] = snapshot
-        while len(self._cache) > MAX_CACHED_SNAPSHOTS:
-            self._cache.popitem(last=False)
-        self.stats["snapshots_taken"] += 1
-        return snapshot
-
-    def _build_snapshot(self) -> _Snapshot:
-        theta, vv = self._state()
-        data = memoryview(theta.numpy()).cast("B")
-        size = self.config.chunk_bytes
-        digests = [hashlib.sha256(data[i:i + size]).digest() for i in range(0, len(data), size)]
-        snapshot_id = secrets.token_hex(16)
-        manifest = msgpack.packb({
-            "run_id": self.run_id, "spec_hash": self.spec_hash, "donor": self.node.peer_id,
-            "snapshot_id": snapshot_id, "created_at": time.time(), "numel": theta.numel(), "dtype": "float32",
-            "chunk_bytes": size, "version_vector": vv.to_dict(), "chunk_digests": digests,
-        }, use_bin_type=True)
-        response = msgpack.packb({"m": manifest, "s": self._sign(manifest)}, use_bin_type=True)
-        if len(response) > self.config.max_manifest_bytes:
-            raise rpc.RpcError(f"manifest is {len(response)} bytes, over max_manifest_bytes="
-                               f"{self.config.max_manifest_bytes}: raise chunk_bytes")
-        now = time.monotonic()
-        return _Snapshot(snapshot_id, theta, data, vv, now, now, response)
-
-
 # ---------------------------------------------------------------------------------------------- joiner
 
 
@@ -319,6 +142,15 @@ class Manifest:
 def parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str, numel: int,
                    max_manifest_bytes: int) -> Manifest:
     """Verify a manifest response from `donor`; DonorError saying what is wrong with it."""
+    try:
+        return _parse_manifest(response, donor=donor, run_id=run_id, spec_hash=spec_hash, numel=numel,
+                               max_manifest_bytes=max_manifest_bytes)
+    except RecursionError:  # ~1000 nested arrays where a scalar belongs: formatting or parsing it recurses
+        raise DonorError("manifest refused: a field is nested too deeply") from None
+
+
+def _parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str, numel: int,
+                    max_manifest_bytes: int) -> Manifest:
     if len(response) > max_manifest_bytes:
         raise DonorError(f"manifest is {len(response)} bytes, limit {max_manifest_bytes}")
     try:
@@ -365,12 +197,25 @@ def parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str, 
     return Manifest(donor, snapshot_id, float(m["created_at"]), chunk_bytes, tuple(digests), vv)
 
 
+_UNVERIFIABLE = ("bad_manifest", "bad_chunk", "nonfinite_chunk")
+_CALL_FAILURES = ((rpc.RpcTimeoutError, "donor_timeout"), (rpc.RpcTooLargeError, "oversize"),
+                  (rpc.RpcRemoteError, "donor_refused"), (rpc.RpcConnectionError, "disconnect"))
+
+
+def _failure_reason(error: BaseException) -> str:
+    if isinstance(error, DonorError):
+        return error.reason
+    return next((reason for kind, reason in _CALL_FAILURES if isinstance(error, kind)), "donor_error")
+
+
 async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: Sequence[str], numel: int,
-                         config: StateSyncConfig) -> tuple[torch.Tensor, VersionVector, str]:
+                         config: StateSyncConfig, *, guard: Any = None) -> tuple[torch.Tensor, VersionVector, str]:
     """Fetch and verify a snapshot from the first donor (in the given order) that serves a good one.
 
     Returns (theta, its version vector, the donor used); load them with `replica.load(theta, vv)`, then let
     gossip pull what is newer. StateSyncError if every donor failed (each one's reason is in the message).
+    With a `guard` (PeerGuard), non-members and penalized donors are skipped, every failure is counted against
+    its donor, and a donor that served anything unverifiable is penalized.
     """
     config.validate()
     _check_host()
@@ -379,6 +224,10 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
     failures: list[str] = []
     for donor in dict.fromkeys(donors):
         if donor == node.peer_id:
+            continue
+        skip = guard.may_pull_from(donor) if guard is not None else None
+        if skip:
+            failures.append(f"{donor}: skipped ({skip})")
             continue
         # A fresh buffer per donor: a dropped donor's verify-and-copy thread may still be running (cancelling
         # its task does not stop the thread) and must not write into the next donor's snapshot.
@@ -396,9 +245,14 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
         except asyncio.CancelledError:
             raise
         except Exception as e:  # DonorError, RpcError, or anything else a remote could provoke
-            reason = str(e) if isinstance(e, (DonorError, rpc.RpcError)) else f"{type(e).__name__}: {e}"
-            logger.warning("state sync donor dropped donor=%s reason=%s", donor, reason)
-            failures.append(f"{donor}: {reason}")
+            why = str(e) if isinstance(e, (DonorError, rpc.RpcError)) else f"{type(e).__name__}: {e}"
+            reason = _failure_reason(e)
+            logger.warning("state sync donor dropped donor=%s reason=%s detail=%s", donor, reason, why)
+            failures.append(f"{donor}: {why}")
+            if guard is not None:
+                guard.count(donor, reason)
+                if reason in _UNVERIFIABLE:
+                    guard.penalize(donor, reason)
             continue
         elapsed_s = time.monotonic() - started
         logger.info("state sync done donor=%s numel=%d updates=%d took_s=%.2f mb_per_s=%.1f", donor, numel,
@@ -423,10 +277,11 @@ async def _fetch_chunks(node: SwarmNode, run_id: str, manifest: Manifest, buffer
             request = msgpack.packb({"snapshot_id": manifest.snapshot_id, "index": index})
             data = await _call_with_retries(node, manifest.donor, chunk_name(run_id), request, length, config)
             if len(data) != length:
-                raise DonorError(f"chunk {index} is {len(data)} bytes, expected {length}")
+                raise DonorError(f"chunk {index} is {len(data)} bytes, expected {length}", "bad_chunk")
             problem = await asyncio.to_thread(_check_and_copy, data, manifest.chunk_digests[index], buffer, start)
             if problem:
-                raise DonorError(f"chunk {index} {problem}")
+                reason = "nonfinite_chunk" if "non-finite" in problem else "bad_chunk"
+                raise DonorError(f"chunk {index} {problem}", reason)
             progress["bytes"] += length
             if time.monotonic() - progress["logged_at"] > _PROGRESS_LOG_S:
                 progress["logged_at"] = time.monotonic()

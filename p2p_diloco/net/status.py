@@ -15,8 +15,17 @@ fills in (peer_id, run_id, updated_at, expiration_time):
     samples_per_update      samples in one of its updates (H * batch_size)
     tau                     staleness of its last update
     shard, corpus           data shard and corpus fingerprint (peers on another corpus are flagged)
+    member_proof            in a run with a secret: HMAC proof of the secret, bound to the PeerID (net/policy.py)
+    rejected_by             {reason: count} of everything it refused: updates (intake outcomes but merged and
+                            buffered) and network refusals (rate_limited, not_allowed, bad_chunk, slow_stream...)
+    offenders               its worst remotes: {peer_id: {reason: count}} (honest duplicates do not rank)
+    banned                  senders it banned (equivocation, invalid or non-finite updates)
+    dht_rejected            {reason: count} of peer records its DHT node refused (forged, malformed, oversize...)
+    vv                      its version vector {sender: seq}, while it names at most 16 senders
 
-Records come from the network: every reader treats every field as untrusted (`number`, `text`).
+Records come from the network: every reader treats every field as untrusted (`number`, `text`, `counts`).
+The optional fields (vv, offenders, dht_rejected, rejected_by) are dropped, in that order, when a record
+would not fit the DHT's size limit (`fit_record`).
 
 What a peer writes for people and tests: one line per round (`round_line`), a JSON log (`JsonLog`, one object
 per event: start, sync, eval, round, linger, final) and its final state (`save_state`).
@@ -32,6 +41,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import msgpack
 
 
 def shard_for(peer_id: str, num_shards: int) -> int:
@@ -50,6 +61,40 @@ def number(record: Mapping[str, Any], key: str, default: float = 0.0) -> float:
 def text(record: Mapping[str, Any], key: str, limit: int = 64) -> str:
     value = record.get(key)
     return value[:limit] if isinstance(value, str) else ""
+
+
+def counts(record: Mapping[str, Any], key: str, limit: int = 64) -> dict[str, int]:
+    """A {name: count} field of an untrusted record: string keys and non-negative ints only, at most `limit`."""
+    value = record.get(key)
+    if not isinstance(value, dict):
+        return {}
+    out = {k[:64]: v for k, v in value.items()
+           if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:limit])
+
+
+OPTIONAL_RECORD_FIELDS = ("vv", "offenders", "dht_rejected", "rejected_by")
+"""Dropped in this order when a record would not fit: diagnostics, never what peers act on."""
+_RECORD_OVERHEAD_BYTES = 512  # peer_id, run_id, expiration_time and updated_at, filled in when it is signed
+
+
+def fit_record(record: dict, max_bytes: int) -> dict:
+    """`record` without as many optional fields as it takes to fit `max_bytes` once signed fields are added."""
+    fitted = dict(record)
+    for name in OPTIONAL_RECORD_FIELDS:
+        if len(msgpack.packb(fitted, use_bin_type=True)) + _RECORD_OVERHEAD_BYTES <= max_bytes:
+            break
+        fitted.pop(name, None)
+    return fitted
+
+
+def rejection_summary(record: Mapping[str, Any], top: int = 3) -> str:
+    """'total (reason n, ...)' of a record's rejections, for the status table."""
+    by_reason = counts(record, "rejected_by")
+    if not by_reason:
+        return "0"
+    head = ", ".join(f"{reason} {n}" for reason, n in list(by_reason.items())[:top])
+    return f"{sum(by_reason.values())} ({head})"
 
 
 def live(records: Mapping[str, dict]) -> dict[str, dict]:
@@ -101,7 +146,8 @@ def status_table(records: Mapping[str, dict], now: float | None = None) -> str:
         from hivemind.utils import get_dht_time  # hivemind is heavy; this module is imported by the CLI
 
         now = get_dht_time()
-    header = ("peer", "state", "V", "seq", "round", "step", "samples/s", "loss", "eval", "tau", "age", "addrs")
+    header = ("peer", "state", "V", "seq", "round", "step", "samples/s", "loss", "eval", "tau", "age", "rejected",
+              "addrs")
     rows = [header]
     ordered = sorted(records.items(), key=lambda kv: -number(kv[1], "version_vector_total"))
     for pid, r in ordered:
@@ -113,9 +159,28 @@ def status_table(records: Mapping[str, dict], now: float | None = None) -> str:
             str(int(number(r, "round"))), str(int(number(r, "step"))), f"{number(r, 'samples_per_s'):.1f}",
             _fmt(number(r, "loss", math.nan), ".3f") if r.get("loss") is not None else "-",
             f"{number(r, 'eval_loss'):.3f}" if isinstance(eval_loss, (int, float)) else "-",
-            str(int(number(r, "tau"))), f"{max(0.0, now - number(r, 'updated_at', now)):.0f}s", addrs or "-"))
+            str(int(number(r, "tau"))), f"{max(0.0, now - number(r, 'updated_at', now)):.0f}s",
+            rejection_summary(r), addrs or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def rejection_details(records: Mapping[str, dict]) -> str:
+    """Per peer: every rejection reason with its count, and its worst offenders (the `status` footer)."""
+    lines = []
+    for pid, r in sorted(records.items()):
+        by_reason = counts(r, "rejected_by")
+        dht = counts(r, "dht_rejected")
+        if not (by_reason or dht):
+            continue
+        lines.append(f"{short_id(pid)}: " + (", ".join(f"{k} {n}" for k, n in by_reason.items()) or "-")
+                     + (f"; dht records refused: {', '.join(f'{k} {n}' for k, n in dht.items())}" if dht else ""))
+        offenders = r.get("offenders") if isinstance(r.get("offenders"), dict) else {}
+        for offender, reasons in list(offenders.items())[:4]:
+            if isinstance(offender, str):
+                detail = ", ".join(f"{k} {n}" for k, n in counts({"x": reasons}, "x", limit=16).items())
+                lines.append(f"    from {short_id(offender)}: {detail}")
+    return "\n".join(lines)
 
 
 def round_line(stats: Mapping[str, Any]) -> str:
