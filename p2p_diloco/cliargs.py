@@ -99,7 +99,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, default: Any,
             value = getattr(value, part)
         doc = field_docs(owner).get(name, "")
         group.add_argument(_flag(name), dest=f"{dest}__" + "__".join(path), type=_converter(tp), default=None,
-                           metavar=name.split("_")[-1].upper(), help=f"{doc} (default: {value})")
+                           metavar=name.split("_")[-1].upper(),
+                           # argparse %-formats help strings; a literal % in a docstring would crash --help
+                           help=f"{doc} (default: {value})".replace("%", "%%"))
 
 
 def apply_args(base: Any, args: argparse.Namespace, dest: str) -> Any:

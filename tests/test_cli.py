@@ -23,6 +23,15 @@ def test_help_lists_subcommands_and_documents_every_option():
     assert "--outer-lr" in sim_help and "(default: 0.7)" in sim_help
 
 
+def test_every_subcommand_help_formats():
+    # argparse %-formats help text, so one stray "%" in a config docstring breaks --help of a whole command
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert {"simulate", "bootstrap", "join", "status"} <= set(commands)
+    for name, sub in commands.items():
+        assert "usage:" in sub.format_help(), name
+
+
 @pytest.mark.parametrize("args, message", [
     (["simulate", "--preset", "huge"], "invalid choice: 'huge'"),
     (["simulate", "--corpus", "/nonexistent/text"], "/nonexistent/text"),
