@@ -119,3 +119,41 @@ def test_drop_sender() -> None:
     assert store.drop_sender("a") == 3 and store.drop_sender("zzz") == 0
     assert store.senders() == ["b"] and len(store) == 3 and store.nbytes == 21
     assert store.missing_for(VersionVector(), 10) == [store.get("b", q) for q in (1, 2, 3)]
+
+
+@settings(max_examples=150)
+@given(adds, st.dictionaries(st.sampled_from(SENDERS), st.sets(st.integers(1, 12), min_size=1)), st.integers(0, 50))
+def test_missing_for_serves_the_remotes_holes_too(updates: list[FakeUpdate], remote_sets: dict[str, set[int]],
+                                                  limit: int) -> None:
+    store = UpdateStore(10**9)
+    for u in updates:
+        store.add(u)
+    remote = VersionVector()
+    for sender, seqs in sorted(remote_sets.items()):
+        for seq in sorted(seqs):
+            remote = remote.with_merged(sender, seq)  # gaps in the set are holes of the vector
+    missing = {(s, q) for s in SENDERS for q in range(1, 13) if store.has(s, q) and not remote.has(s, q)}
+    keys = [(u.sender, u.seq) for u in store.missing_for(remote, limit)]
+    assert len(keys) == min(limit, len(missing)) and set(keys) <= missing and len(set(keys)) == len(keys)
+    for s in SENDERS:
+        got = [q for sender, q in keys if sender == s]
+        assert got == sorted(q for sender, q in missing if sender == s)[: len(got)]  # lowest first
+
+
+def test_ban_purges_and_refuses() -> None:
+    store = UpdateStore(1000)
+    for q in (1, 2):
+        store.add(FakeUpdate("a", q, 7))
+    store.add(FakeUpdate("b", 1, 7))
+    assert store.ban("a") == 2 and store.is_banned("a") and not store.is_banned("b")
+    assert not store.add(FakeUpdate("a", 3, 7)) and store.senders() == ["b"] and store.nbytes == 7
+    assert store.missing_for(VersionVector(), 10) == [store.get("b", 1)]
+
+
+def test_unservable_for_names_merged_updates_only_we_could_have_served() -> None:
+    store = UpdateStore(1000)
+    store.add(FakeUpdate("a", 3, 7))
+    local = VersionVector({"a": 4})
+    remote = VersionVector({"a": 1}).with_merged("a", 4)  # skipped 2 and 3
+    assert store.unservable_for(local, remote) == [("a", 2)]  # 3 we still hold: a pull fixes it
+    assert store.unservable_for(remote, local) == []
