@@ -13,11 +13,11 @@ each mode, under each defence setting of the RunSpec (`defence`):
 
 The clean row under each defence is that defence's cost to convergence. "nan, banned not weighed": as nan, but
 senders weigh their updates without the peer every live peer has banned (the plain simulator, like the real
-peer list, still counts it, so a banned peer costs the swarm its share of every outer step). "honest alone" is
-the run without the attacker and without its share of the budget (N-1 peers): an ideal defence (ban at
-once) comes close to it, not to it (N-1 peers on N-1 shards see all the training data; with the attacker
-banned, its shard is seen by nobody). Every run has the same model, shards, token budget and seed; losses
-are the mean over the honest peers' replicas (held-out split, nats per byte).
+peer list, still counts it, so a banned peer costs the swarm its share of every outer step). The nan row is
+what banning at the first update achieves: the attacker's compute and its data shard are lost to the swarm
+(an N-1 peer run over N-1 shards is no reference: it sees all the data). Every run has the same model,
+shards, token budget and seed; losses are the mean over the honest peers' replicas (held-out split, nats per
+byte).
 
     python benchmarks/bench_poison.py --steps-per-peer 200 --jobs 2 --out benchmarks/results/poison
 writes OUT.json (every run), OUT.md (the tables) and OUT.log (this output).
@@ -49,7 +49,6 @@ DEFENCES = {
 ATTACKS = {"clean": (None, 1.0), "nan": (Hostility.NAN, 1.0), "scale": (Hostility.SCALE, 100.0),
            "scale5": (Hostility.SCALE, 5.0), "sign_flip": (Hostility.SIGN_FLIP, 1.0)}
 REWEIGHED = "nan, banned not weighed"
-ALONE = "honest alone"
 _CORPUS: dict = {}
 
 
@@ -99,7 +98,7 @@ def tables(rows: list[dict], attacks: list[str], defences: list[str]) -> str:
     by = {(r["attack"], r["defence"]): r for r in rows}
     clean = by.get(("clean", "none"), {}).get("eval_loss")
     out = ["| attack (peer 3 of 4) | " + " | ".join(defences) + " |", "|---" * (len(defences) + 1) + "|"]
-    for attack in [*attacks, REWEIGHED, ALONE]:
+    for attack in [*attacks, REWEIGHED]:
         cells = []
         for defence in defences:
             r = by.get((attack, defence))
@@ -143,9 +142,6 @@ def main() -> int:
                 DEFENCES[d] for d in defences}
     jobs = [(a, d, dataclasses.replace(base, seed=args.seed, inner=inner, defence=settings[d]).to_dict(),
              dataclasses.asdict(sim)) for a in attacks for d in defences]
-    alone = dataclasses.replace(sim, peers=args.peers - 1, total_steps=total // args.peers * (args.peers - 1))
-    jobs.append((ALONE, "none", dataclasses.replace(base, seed=args.seed, inner=inner,
-                                                    defence=DEFENCES["none"]).to_dict(), dataclasses.asdict(alone)))
     if "nan" in attacks and "none" in defences:
         jobs.append((REWEIGHED, "none", next(j[2] for j in jobs if j[:2] == ("nan", "none")), dataclasses.asdict(sim)))
     out = Path(args.out)
@@ -166,7 +162,7 @@ def main() -> int:
             rows.append(row)
             say(f"  {row['attack']:<9} {row['defence']:<13} eval_loss={row['eval_loss']:.4f} "
                 f"divergence={row['divergence']:.1e} banned={row['banned']} ({row['wall_s']:.0f}s wall)")
-    order = [*attacks, REWEIGHED, ALONE]
+    order = [*attacks, REWEIGHED]
     rows.sort(key=lambda r: (order.index(r["attack"]), defences.index(r["defence"])))
     md = tables(rows, attacks, defences)
     say("\n" + md + f"\n\ntotal wall time {time.time() - t0:.0f}s")
