@@ -13,6 +13,9 @@ One story (module fixture), each step a fault the issue names, each checked by t
     4. join through a live peer, and a donor killed mid-sync: J joins with A's multiaddr as --bootstrap; the
        moment a donor logs that it served J a snapshot manifest (A, B, C run with -v), that donor is
        SIGKILLed while J fetches the chunks; J drops it, syncs from another donor and trains;
+    5. the bootstrap comes back (same identity and port, knowing nobody): the running peers meet it again
+       (Kademlia dropped it from their routing tables while it was dead), and K, a new peer given the
+       original bootstrap address, finds the run through it, syncs state and trains with everyone;
     then every survivor gets SIGUSR1 (finish the round, linger until the swarm is quiet, write its replica).
 After it: the standard assertion, every survivor's replica holds exactly the updates published (none lost,
 none merged twice) and the replicas are equal.
@@ -23,6 +26,7 @@ Every wait is on a condition with a timeout; every process is killed at the end 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +62,7 @@ class Story:
     main: dict[str, Proc]  # A, B, C
     victim: Proc
     joiner: Proc
+    late: Proc | None = None  # K, joined through the restarted bootstrap
     marks: dict[str, float] = field(default_factory=dict)  # time.time() of each fault
     seqs: dict[str, dict[str, int]] = field(default_factory=dict)  # snapshots of who had published what
     donor_killed: str = ""
@@ -125,7 +130,20 @@ def story(tmp_path_factory) -> Story:
         s.marks["donor_killed"], s.donor_killed = time.time(), peer_id_of(donor_proc)
         j.wait_rounds(3, START_S)
 
-        survivors = [p for p in (*main.values(), j) if p is not donor_proc]
+        # 5. the bootstrap comes back on its port, knowing nobody; the peers meet it again; K joins through it
+        argv = list(boot.argv)
+        argv[argv.index("--port") + 1] = re.search(r"/tcp/(\d+)/", bootstrap).group(1)
+        argv[argv.index("--report-s") + 1] = "1"  # it prints how many live peers of the run it can see
+        boot2 = launcher.start("bootstrap-again", argv)
+        wait_until(lambda: "bootstrap ready" in boot2.output(), START_S, "the bootstrap to come back", procs=[boot2])
+        s.marks["boot_back"] = time.time()
+        wait_until(lambda: re.search(r"live peers: default=[3-9]", boot2.output()), START_S,
+                   "the restarted bootstrap to see the run's peers (they meet it again)", procs=[boot2])
+        k = s.late = launcher.peer("K", bootstrap, base=ARGS, linger_s=120)
+        wait_until(lambda: len(k.rounds()) >= 3 and any(r["peers"] >= 4 for r in k.rounds()), START_S,
+                   "K to train with the others", procs=[k])
+
+        survivors = [p for p in (*main.values(), j, k) if p is not donor_proc]
         for proc in survivors:
             proc.finish()
         for proc in survivors:
@@ -134,7 +152,7 @@ def story(tmp_path_factory) -> Story:
 
 
 def _survivors(s: Story) -> list[Proc]:
-    return [p for p in (*s.main.values(), s.joiner) if peer_id_of(p) != s.donor_killed]
+    return [p for p in (*s.main.values(), s.joiner, s.late) if p is not None and peer_id_of(p) != s.donor_killed]
 
 
 def _max_gap_s(proc: Proc, start: float, end: float) -> float:
@@ -206,6 +224,16 @@ def test_new_peer_joins_through_a_live_peer_and_switches_donor(story: Story) -> 
     jid = peer_id_of(j)
     for proc in _survivors(story):
         assert proc.state()[1]["version_vector"].get(jid, 0) == len(j.rounds())
+
+
+def test_a_restarted_bootstrap_is_met_again_and_lets_new_peers_in(story: Story) -> None:
+    k = story.late
+    sync = k.events("sync")
+    assert sync and sync[-1]["vv_total"] > 0, k.tail()  # it found the run and took a snapshot, not theta_0
+    assert len(k.rounds()) >= 3
+    kid = peer_id_of(k)
+    for proc in _survivors(story):
+        assert proc.state()[1]["version_vector"].get(kid, 0) == len(k.rounds()), proc.name
 
 
 def test_replicas_agree_and_nothing_merged_twice(story: Story) -> None:

@@ -55,7 +55,8 @@ def _identity(tmp_path_factory, name: str) -> tuple[Identity, str]:
 
 
 async def _start(path: str, initial_peers: tuple[str, ...] = (), **overrides: Any) -> SwarmNode:
-    config = NodeConfig(host_maddrs=LOOPBACK, initial_peers=initial_peers, start_timeout_s=30, **overrides)
+    config = NodeConfig(**{"host_maddrs": LOOPBACK, "initial_peers": initial_peers, "start_timeout_s": 30,
+                           **overrides})
     return await SwarmNode.start(path, config, record_validators=[PeerRecordValidator([RUN])])
 
 
@@ -106,6 +107,46 @@ def test_shutdown_is_idempotent_and_bounded(loop, tmp_path_factory) -> None:
     assert not node.dht.is_alive()
     with pytest.raises(NodeError, match="shut down"):
         loop.run(node.dht_get("anything", timeout_s=1))
+
+
+async def _routing_table_peers(_dht: Any, node: Any) -> list[str]:  # runs in the DHT process
+    return [peer_id.to_base58() for peer_id in node.protocol.routing_table.peer_id_to_uid]
+
+
+def _table(loop, node: SwarmNode) -> list[str]:
+    async def read() -> list[str]:
+        return await asyncio.wrap_future(node.dht.run_coroutine(_routing_table_peers, return_future=True))
+
+    return loop.run(read())
+
+
+def test_a_restarted_bootstrap_is_met_again(loop, tmp_path_factory) -> None:
+    # Kademlia never looks for a node again once it forgot it, and a restarted node knows nobody: without
+    # meet_again, a bootstrap that restarts stays empty, and a new peer sent to it finds no run.
+    _, boot_path = _identity(tmp_path_factory, "boot")
+    _, peer_path = _identity(tmp_path_factory, "peer")
+    boot = loop.run(_start(boot_path))
+    maddr = boot.visible_maddrs()[0]
+    peer = loop.run(_start(peer_path, (maddr,)))
+    again = None
+    try:
+        assert peer.peer_id in _table(loop, boot)
+        loop.run(boot.shutdown(), timeout_s=30)
+        port = re.search(r"/tcp/(\d+)/", maddr).group(1)
+        again = loop.run(_start(boot_path, host_maddrs=(f"/ip4/127.0.0.1/tcp/{port}",)))
+        assert again.peer_id == boot.peer_id and _table(loop, again) == []
+        met = loop.run(peer.meet_again({boot.peer_id: [maddr]}, timeout_s=10))
+        assert met in ([], [boot.peer_id])  # [] if our table still listed it (no request to it failed yet)
+        deadline = time.monotonic() + 10
+        while peer.peer_id not in _table(loop, again):  # it adds the pinger in a task of its own
+            assert time.monotonic() < deadline, "the restarted bootstrap never added the peer that pinged it"
+            time.sleep(0.2)
+        assert boot.peer_id in _table(loop, peer)
+        assert loop.run(peer.meet_again({boot.peer_id: [maddr], peer.peer_id: []}, timeout_s=10)) == []
+    finally:
+        for node in (peer, again):
+            if node is not None:
+                loop.run(node.shutdown(), timeout_s=30)
 
 
 @pytest.mark.parametrize("addr, why", [

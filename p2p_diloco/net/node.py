@@ -28,6 +28,7 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration
 from multiaddr import Multiaddr as _PyMultiaddr
 from multiaddr.exceptions import Error as _MultiaddrError
@@ -286,6 +287,22 @@ class SwarmNode:
         self._check_alive()
         return await _await_mp(self.dht.get(key, latest=latest, return_future=True), timeout_s)
 
+    async def meet_again(self, peers: dict[str, Sequence[str]], timeout_s: float) -> list[str]:
+        """Ping each of `peers` (PeerID -> multiaddrs); return those that answered and were not in our routing table.
+
+        Kademlia drops a node from the routing table after requests to it fail, and never looks for it again:
+        a bootstrap node that restarted, or the other side of a healed partition, stays forgotten although it
+        is reachable. And a restarted node has forgotten everyone, even those that still list it. A ping makes
+        both sides add each other (and hand over the records the other should hold), as hivemind's own
+        start-up does with its initial peers, so we ping whether or not our table lists the peer.
+        """
+        self._check_alive()
+        wanted = {pid: list(maddrs) for pid, maddrs in peers.items() if pid != self.peer_id}
+        if not wanted:
+            return []
+        coro = partial(_meet_again_in_dht, peers=wanted, timeout_s=timeout_s)
+        return await _await_mp(self.dht.run_coroutine(coro, return_future=True), timeout_s + 5.0)
+
     async def add_record_validators(self, validators: Sequence[RecordValidatorBase], timeout_s: float = 10.0) -> None:
         """Add DHT record validators after the start (they are pickled into the DHT process)."""
         self._check_alive()
@@ -318,6 +335,28 @@ class SwarmNode:
         except Exception as e:
             logger.warning("dht process did not stop in time peer_id=%s error=%r", self.peer_id, e)
         logger.info("swarm node stopped peer_id=%s took_s=%.2f", self.peer_id, time.monotonic() - started)
+
+
+async def _meet_again_in_dht(_dht: DHT, node: Any, peers: dict[str, list[str]], timeout_s: float) -> list[str]:
+    """Runs in the DHT process (`DHT.run_coroutine`): see `SwarmNode.meet_again`."""
+    table = node.protocol.routing_table
+
+    async def meet(pid_text: str, maddrs: list[str]) -> str | None:
+        peer_id = PeerID.from_base58(pid_text)
+        known = peer_id in table
+        if maddrs and not known:
+            # libp2p may have forgotten the addresses of a peer it lost (hivemind's P2P has no public dial, so
+            # its daemon client's); a failed dial is fine: the ping says whether the peer is back
+            try:
+                addrs = [HivemindMultiaddr(m.split("/p2p/")[0]) for m in maddrs]
+                await asyncio.wait_for(node.p2p._client.connect(peer_id, addrs), timeout_s)
+            except Exception as e:
+                logger.debug("dial before ping failed peer=%s error=%r", pid_text, e)
+        node_id = await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout_s)
+        return pid_text if node_id is not None and not known else None
+
+    results = await asyncio.gather(*(meet(p, m) for p, m in peers.items()), return_exceptions=True)
+    return [r for r in results if isinstance(r, str)]
 
 
 async def _await_mp(future: Any, timeout_s: float) -> Any:

@@ -72,6 +72,11 @@ LOST_PEER_GRACE_TTLS = 2.0
 TTLs: cut off by a partition, its record expired here while it could not announce, and it comes back once the
 partition heals (libp2p's stalled connections and the DHT's routing tables take seconds to recover). A lingering
 peer does not call the swarm quiet while a peer is lost (`settling`)."""
+MEET_AGAIN_EVERY_S = (5.0, 30.0)
+"""How often (half a record TTL, within these bounds) we ping the bootstrap peers and the peers lost without a
+farewell (SwarmNode.meet_again): a restarted bootstrap knows nobody until peers call it, and Kademlia never
+calls a node again once a request to it failed (the other side of a partition)."""
+MAX_MEET_AGAIN = 16
 _NOT_REJECTIONS = ("merged", "buffered")
 
 
@@ -139,6 +144,7 @@ class PeerNetwork:
         self._proof: str | None = None
         self._announced_at: float | None = None  # updated_at of our last record (another one: another process)
         self.lost: dict[str, float] = {}  # peer -> when its record vanished without a farewell (replaced whole)
+        self._known_maddrs: dict[str, list[str]] = {}  # members' and lost peers' last announced addresses
 
     # ---- start-up ---------------------------------------------------------------------------------------
 
@@ -266,7 +272,8 @@ class PeerNetwork:
         await self._refresh_peers()
         await self._announce()
         self._tasks = [asyncio.create_task(self._announce_loop(), name="announce"),
-                       asyncio.create_task(self._refresh_loop(), name="refresh-peers")]
+                       asyncio.create_task(self._refresh_loop(), name="refresh-peers"),
+                       asyncio.create_task(self._meet_again_loop(), name="meet-again")]
 
     def _other_peer_ids(self) -> list[str]:
         me = self.node.peer_id if self.node else ""
@@ -360,6 +367,9 @@ class PeerNetwork:
                 logger.warning("peer %s trains on another corpus (fingerprint %s, ours %s): a different Python "
                                "version's stdlib or another file", pid, text(record, "corpus"), fingerprint)
         self._note_lost(members)
+        self._known_maddrs = {pid: [m for m in r["maddrs"][:MAX_ANNOUNCED_MADDRS] if isinstance(m, str)]
+                              for pid, r in members.items() if isinstance(r.get("maddrs"), list)} | {
+            pid: m for pid, m in self._known_maddrs.items() if pid in self.lost}
         self.peers = live(members)
         try:  # what our DHT node refused (cumulative), plus what this read dropped (records visible now)
             dropped.update(await validator_counts(self.node, timeout_s=self.dht_timeout_s))
@@ -394,6 +404,27 @@ class PeerNetwork:
                 await self._refresh_peers()
             except Exception:
                 logger.exception("peer list refresh failed")
+
+    def _meet_again_targets(self) -> dict[str, list[str]]:
+        """The bootstrap peers (the entry points a new peer is given) and the peers lost without a farewell."""
+        targets: dict[str, list[str]] = {}
+        for maddr in self.node_config.initial_peers:
+            pid = maddr.rsplit("/p2p/", 1)[-1]
+            targets.setdefault(pid, []).append(maddr)
+        for pid in sorted(self.lost, key=self.lost.get, reverse=True):  # the most recently lost first
+            targets.setdefault(pid, self._known_maddrs.get(pid, []))
+        return dict(list(targets.items())[:MAX_MEET_AGAIN])
+
+    async def _meet_again_loop(self) -> None:
+        low, high = MEET_AGAIN_EVERY_S
+        while True:
+            await asyncio.sleep(min(max(self.record_ttl_s / 2, low), high))
+            try:
+                met = await self.node.meet_again(self._meet_again_targets(), timeout_s=self.dht_timeout_s)
+                if met:
+                    logger.info("met DHT peer(s) again peers=%s", [pid[-8:] for pid in met])
+            except Exception as e:
+                logger.debug("meeting DHT peers again failed error=%r", e)
 
     def _collect_counters(self) -> dict[str, int]:
         counts = dict(self.learner.intake.counts)
