@@ -415,6 +415,36 @@ def test_equivocation_evidence_is_verified_before_others_ban(loop, members) -> N
         loop.run(rpc.unserve(c_member.node.p2p, name))
 
 
+def test_a_peer_met_after_the_ban_gets_the_proof(loop, members) -> None:
+    """A bans an equivocator before it knows B; when B shows up in A's peer list, A hands B the proof, and B
+    (which would otherwise merge whatever the banned sender sends it) verifies it and bans too."""
+    a_member, b_member, c_member = members
+    equivocator = Identity.generate()
+    first, second = (_updates(equivocator, 2, seed=seed)[1] for seed in (64, 65))
+    name = _serve_pull(loop, c_member, [encode_update(first), encode_update(second)])
+    config = GossipConfig(anti_entropy_s=QUIET, rpc_timeout_s=5)
+    try:
+        with gossiping(loop, [a_member, b_member], config, limits=RateLimitConfig(penalty_s=0)) as (a, b):
+            a.view[:] = [a.node.peer_id]  # A does not know B yet
+
+            async def meet() -> None:
+                a.relay.meet()
+
+            loop.run(meet())
+            loop.run(a.gossip.request_pull(c_member.node.peer_id))
+            wait_until(lambda: equivocator.peer_id in a.replica.banned, 10, "A to ban the equivocator")
+            assert a.relay.stats["evidence_sent"] == 0 and equivocator.peer_id not in b.replica.banned
+            a.view.append(b.node.peer_id)
+            loop.run(meet())
+            wait_until(lambda: equivocator.peer_id in b.replica.banned, 10, "B to ban on the proof A handed it")
+            assert b.relay.stats["evidence_verified"] == 1
+            loop.run(meet())  # B is met: nothing is sent again
+            wait_until(lambda: not a.relay._tasks, 10, "A's pushes to finish")
+            assert a.relay.stats["evidence_sent"] == 1
+    finally:
+        loop.run(rpc.unserve(c_member.node.p2p, name))
+
+
 def test_a_closed_run_refuses_outsiders_on_every_rpc(loop, members) -> None:
     a_member, b_member, c_member = members
     allowed = (a_member.node.peer_id, b_member.node.peer_id)

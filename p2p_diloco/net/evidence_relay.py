@@ -16,7 +16,9 @@ Protocol (one RPC per run, behind the PeerGuard):
       response = b""                                     an ack; invalid evidence gets an RpcError
 
 The intake keeps the last few proofs (`MAX_EVIDENCE`); we forward each accused sender's proof once. A peer
-that joins after the ban learns of it only if the equivocator tries it too. Counted in the guard's
+that joins after the ban would not know it, and would merge what the banned sender sends it: so each peer we
+meet for the first time (`meet`) gets the proofs we hold, from each holder with probability fanout / members
+(about `fanout` pushes per newcomer, whatever the swarm's size). Counted in the guard's
 rejections: `evidence_verified` (against the accused) and `evidence_invalid` (against the sender of the bad
 evidence).
 """
@@ -80,6 +82,7 @@ class EvidenceRelay:
         self._peers = peers
         self._tasks: set[asyncio.Task] = set()
         self._published: OrderedDict[str, None] = OrderedDict()
+        self._met: OrderedDict[str, None] = OrderedDict()  # peers already listed (told, or told by others)
         self._rng = random.Random()
 
     async def start(self) -> None:
@@ -110,12 +113,34 @@ class EvidenceRelay:
         candidates = [p for p in dict.fromkeys(self._peers()) if p != self.node.peer_id and p not in exclude]
         request = encode_evidence((first, second))
         for peer in self._rng.sample(candidates, min(self.fanout, len(candidates))):
-            if len(self._tasks) >= MAX_FORWARD_TASKS:
-                self.stats["evidence_dropped"] += 1
+            self._spawn(peer, request)
+
+    def meet(self) -> None:
+        """Hand the proofs we hold to the live peers we see for the first time (call on the loop, after each
+        refresh of the peer list). Peers listed before a ban got its proof by `publish` and forwarding."""
+        members = [p for p in dict.fromkeys(self._peers()) if p != self.node.peer_id]
+        new = [p for p in members if p not in self._met]
+        for peer in new:
+            self._met[peer] = None
+        while len(self._met) > MAX_PUBLISHED:
+            self._met.popitem(last=False)
+        proofs = list(self.intake.evidence.values())
+        if not proofs or not new:
+            return
+        chance = min(1.0, self.fanout / len(members))
+        for peer in new:
+            if self._rng.random() >= chance:
                 continue
-            task = asyncio.create_task(self._push(peer, request), name=f"evidence:{peer[-8:]}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            for first, second in proofs:
+                self._spawn(peer, encode_evidence((first, second)))
+
+    def _spawn(self, peer: str, request: bytes) -> None:
+        if len(self._tasks) >= MAX_FORWARD_TASKS:
+            self.stats["evidence_dropped"] += 1
+            return
+        task = asyncio.create_task(self._push(peer, request), name=f"evidence:{peer[-8:]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _push(self, peer: str, request: bytes) -> None:
         try:

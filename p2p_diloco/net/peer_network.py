@@ -371,6 +371,8 @@ class PeerNetwork:
                               for pid, r in members.items() if isinstance(r.get("maddrs"), list)} | {
             pid: m for pid, m in self._known_maddrs.items() if pid in self.lost}
         self.peers = live(members)
+        if self.relay is not None:
+            self.relay.meet()  # a newcomer learns of the bans made before it came
         try:  # what our DHT node refused (cumulative), plus what this read dropped (records visible now)
             dropped.update(await validator_counts(self.node, timeout_s=self.dht_timeout_s))
         except Exception as e:
