@@ -14,10 +14,11 @@ each mode, under each defence setting of the RunSpec (`defence`):
 The clean row under each defence is that defence's cost to convergence. "nan, banned not weighed": as nan, but
 senders weigh their updates without the peer every live peer has banned (the plain simulator, like the real
 peer list, still counts it, so a banned peer costs the swarm its share of every outer step). The nan row is
-what banning at the first update achieves: the attacker's compute and its data shard are lost to the swarm
-(an N-1 peer run over N-1 shards is no reference: it sees all the data). Every run has the same model,
-shards, token budget and seed; losses are the mean over the honest peers' replicas (held-out split, nats per
-byte).
+what banning at the first update achieves: the attacker's compute and its data shard are lost to the swarm.
+"shard lost" is the reference for that: no attacker, but the would-be attacker trains on the next peer's
+shard instead of its own, so its shard is seen by nobody (an N-1 peer run over N-1 shards is no reference: it
+sees all the data). Every run has the same model, shards, token budget and seed; losses are the mean over the
+honest peers' replicas (held-out split, nats per byte).
 
     python benchmarks/bench_poison.py --steps-per-peer 200 --jobs 2 --out benchmarks/results/poison
 writes OUT.json (every run), OUT.md (the tables) and OUT.log (this output).
@@ -49,6 +50,7 @@ DEFENCES = {
 ATTACKS = {"clean": (None, 1.0), "nan": (Hostility.NAN, 1.0), "scale": (Hostility.SCALE, 100.0),
            "scale5": (Hostility.SCALE, 5.0), "sign_flip": (Hostility.SIGN_FLIP, 1.0)}
 REWEIGHED = "nan, banned not weighed"
+SHARD_LOST = "shard lost (no attack)"
 _CORPUS: dict = {}
 
 
@@ -60,20 +62,32 @@ def run_one(job: tuple[str, str, dict, dict]) -> dict:
 
     torch.set_num_threads(1)
     logging.getLogger("p2p_diloco").setLevel(logging.ERROR)  # rejections are the point here; they are counted
-    attack, defence, spec_dict, sim_dict = job
+    attack, defence, spec_dict, sim_dict, hostile = job
     spec = RunSpec.from_dict(spec_dict)
     sim = SimConfig(**sim_dict)
     if "corpus" not in _CORPUS:
         _CORPUS["corpus"] = load_corpus(spec.data)
     mode, factor = ATTACKS.get("nan" if attack == REWEIGHED else attack, (None, 1.0))
-    adversaries = [Adversary(sim.peers - 1, mode, factor=factor)] if mode is not None else []
+    adversaries = [Adversary(hostile, mode, factor=factor)] if mode is not None else []
     t0 = time.time()
-    swarm = HostileSwarm(spec, sim, _CORPUS["corpus"], adversaries, weigh_banned=attack != REWEIGHED)
+    kind = ShardLostSwarm if attack == SHARD_LOST else HostileSwarm
+    swarm = kind(spec, sim, _CORPUS["corpus"], adversaries, weigh_banned=attack != REWEIGHED)
+    swarm.lost_shard = hostile
     result = swarm.run()
     summary = swarm.honest_summary(result)
     return {"attack": attack, "defence": defence, "wall_s": time.time() - t0, "sim_time_s": result.sim_time_s,
             **summary, "honest_peak_ratio": honest_peak_ratio(swarm, spec),
             "peers": [dataclasses.asdict(p) for p in result.peers]}
+
+
+class ShardLostSwarm(HostileSwarm):
+    """No attacker; peer `lost_shard` trains on the next peer's shard, so shard `lost_shard` is seen by nobody."""
+
+    lost_shard = -1
+
+    def _shard_of(self, index: int) -> int:
+        shard = super()._shard_of(index)
+        return (shard + 1) % self.num_shards if shard == self.lost_shard else shard
 
 
 def honest_peak_ratio(swarm: HostileSwarm, spec: RunSpec) -> float:
@@ -94,11 +108,12 @@ def honest_peak_ratio(swarm: HostileSwarm, spec: RunSpec) -> float:
     return peak
 
 
-def tables(rows: list[dict], attacks: list[str], defences: list[str]) -> str:
+def tables(rows: list[dict], attacks: list[str], defences: list[str], hostile: int, peers: int) -> str:
     by = {(r["attack"], r["defence"]): r for r in rows}
     clean = by.get(("clean", "none"), {}).get("eval_loss")
-    out = ["| attack (peer 3 of 4) | " + " | ".join(defences) + " |", "|---" * (len(defences) + 1) + "|"]
-    for attack in [*attacks, REWEIGHED]:
+    out = [f"| attack (peer {hostile} of {peers}) | " + " | ".join(defences) + " |",
+           "|---" * (len(defences) + 1) + "|"]
+    for attack in [*attacks, REWEIGHED, SHARD_LOST]:
         cells = []
         for defence in defences:
             r = by.get((attack, defence))
@@ -130,6 +145,7 @@ def main() -> int:
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--defences", default=",".join(DEFENCES))
     ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel (one torch thread each)")
+    ap.add_argument("--hostile-peer", type=int, default=None, help="which peer attacks (default: the last)")
     ap.add_argument("--clip-radius", type=float, default=None, help="override defence.clip_radius (centered_clip)")
     ap.add_argument("--out", default="benchmarks/results/poison")
     args = ap.parse_args()
@@ -140,10 +156,14 @@ def main() -> int:
     sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=16, eval_every_s=float(total))
     settings = {d: dataclasses.replace(DEFENCES[d], clip_radius=args.clip_radius) if args.clip_radius else
                 DEFENCES[d] for d in defences}
+    hostile = args.peers - 1 if args.hostile_peer is None else args.hostile_peer
+    if not 0 <= hostile < args.peers:
+        ap.error(f"--hostile-peer must be in [0, {args.peers}), got {hostile}")
     jobs = [(a, d, dataclasses.replace(base, seed=args.seed, inner=inner, defence=settings[d]).to_dict(),
-             dataclasses.asdict(sim)) for a in attacks for d in defences]
+             dataclasses.asdict(sim), hostile) for a in attacks for d in defences]
     if "nan" in attacks and "none" in defences:
-        jobs.append((REWEIGHED, "none", next(j[2] for j in jobs if j[:2] == ("nan", "none")), dataclasses.asdict(sim)))
+        plain = next(j[2] for j in jobs if j[:2] == ("nan", "none"))
+        jobs += [(extra, "none", plain, dataclasses.asdict(sim), hostile) for extra in (REWEIGHED, SHARD_LOST)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (closed below; written as we go)
@@ -154,7 +174,7 @@ def main() -> int:
         log.flush()
 
     say(f"# {time.strftime('%Y-%m-%d')} preset={args.preset} N={args.peers} H={args.inner_steps} budget={total} "
-        f"inner steps seed={args.seed}; hostile peer: {args.peers - 1}\n`{' '.join(sys.argv)}`")
+        f"inner steps seed={args.seed}; hostile peer: {hostile}\n`{' '.join(sys.argv)}`")
     rows: list[dict] = []
     t0 = time.time()
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -162,9 +182,9 @@ def main() -> int:
             rows.append(row)
             say(f"  {row['attack']:<9} {row['defence']:<13} eval_loss={row['eval_loss']:.4f} "
                 f"divergence={row['divergence']:.1e} banned={row['banned']} ({row['wall_s']:.0f}s wall)")
-    order = [*attacks, REWEIGHED]
+    order = [*attacks, REWEIGHED, SHARD_LOST]
     rows.sort(key=lambda r: (order.index(r["attack"]), defences.index(r["defence"])))
-    md = tables(rows, attacks, defences)
+    md = tables(rows, attacks, defences, hostile, args.peers)
     say("\n" + md + f"\n\ntotal wall time {time.time() - t0:.0f}s")
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1, default=str))
     out.with_suffix(".md").write_text(md + "\n")

@@ -82,9 +82,12 @@ class AsyncSwarm:
 
     # ---- peers ----------------------------------------------------------------------------------------
 
+    def _shard_of(self, index: int) -> int:
+        return index % self.num_shards
+
     def _add_peer(self, speed: float, state=None) -> SimPeer:
         index = len(self.peers)
-        learner = Learner(self.spec, Identity.generate(), self.corpus, shard=index % self.num_shards,
+        learner = Learner(self.spec, Identity.generate(), self.corpus, shard=self._shard_of(index),
                           num_shards=self.num_shards, replica_state=state, device=self.device)
         peer = SimPeer(index=index, learner=learner, speed=speed, store=UpdateStore(max_bytes=256 << 20),
                        exchange=MemoryExchange(self.net, learner.peer_id, self._view), joined_at=self.queue.now)
