@@ -192,7 +192,9 @@ def fixtures() -> Fixtures:
     records, record_seeds = _record_seeds(sender)
     vectors = [VersionVector(), VersionVector({sender.peer_id: 4, donor.peer_id: 1})]
     requests = [b"\x01" + encode_request(v, 8) for v in vectors] + [b"\x00" + encode_request(v) for v in vectors]
-    requests += [b"\x01" + encode_request(vectors[1]), b"\x01" + encode_request(vectors[1], 0),
+    requests += [b"\x01" + encode_request(vectors[1], 8, ids={sender.peer_id: "0123456789abcdef"}),
+                 b"\x01" + encode_request(vectors[1], 8, ids={donor.peer_id: "not hex digits!!"}),
+                 b"\x01" + encode_request(vectors[1]), b"\x01" + encode_request(vectors[1], 0),
                  b"\x00" + msgpack.packb({"vv": {sender.peer_id: -1}})]
     seeds = {"envelope": envelopes, "envelope_signed": signed_inputs, "codec": _codec_seeds(),
              "manifest": responses, "manifest_signed": bodies, "gossip_request": requests,

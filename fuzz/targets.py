@@ -16,7 +16,7 @@ Contracts checked:
   manifest         parse_manifest raises only DonorError; what it accepts is one of the donor's valid manifests.
   manifest_signed  a hostile donor: the harness signs whatever manifest the fuzzer made; accepted manifests must
                    match run, spec, donor, numel, chunk layout, digests and a valid version vector.
-  gossip_request   decode_request raises only RpcError and returns a valid VersionVector and limit.
+  gossip_request   parse_request raises only RpcError and returns a valid VersionVector, limit and ids digests.
   peer_record      decode_peer_record never raises, and PeerRecordValidator agrees with it; unsigned values are
                    accepted only if they are one of the owner's signed records.
 """
@@ -37,7 +37,7 @@ from hivemind.dht.validation import DHTRecord
 from fuzz.seeds import MANIFEST_NUMEL, MAX_MANIFEST_BYTES, MAX_UPDATE_BYTES, RECORD_EXPIRATION, RUN, SPEC, fixtures
 from p2p_diloco.net import rpc
 from p2p_diloco.net.discovery import PEER_RECORD_DOMAIN, PeerRecordValidator, decode_peer_record, peers_key
-from p2p_diloco.net.gossip import decode_request
+from p2p_diloco.net.gossip_messages import MAX_ID_DIGESTS, parse_request
 from p2p_diloco.net.statesync import MANIFEST_DOMAIN, MAX_CHUNK_BYTES, DonorError, parse_manifest
 from p2p_diloco.sync.version_vector import MAX_SENDER_LEN, MAX_SEQ, VersionVector
 from p2p_diloco.wire.codecs import CODEC_NAMES, BlockwiseCodec, Codec, CodecError, get_codec
@@ -234,11 +234,15 @@ def gossip_request(data: bytes) -> str:
     """Byte 0 bit 0: a pull request (1) or an announce (0); the rest is the request."""
     pull = bool(data[:1]) and bool(data[0] & 1)
     try:
-        vv, limit = decode_request(data[1:], pull=pull)
+        request = parse_request(data[1:], pull=pull)
     except rpc.RpcError:
         return "refused"
-    _check_vector(vv)
+    _check_vector(request.vv)
+    limit, ids = request.limit, request.ids
     assert type(limit) is int and (limit >= 1 if pull else limit == 0)
+    assert (pull or not ids) and len(ids) <= MAX_ID_DIGESTS
+    for sender, digest in ids.items():
+        assert sender in request.vv and type(digest) is str and len(digest) == 16 and int(digest, 16) >= 0
     return "accepted"
 
 

@@ -138,3 +138,32 @@ def test_another_peer_verifies_then_bans_and_purges() -> None:
     assert peer.evidence[KEYS[0].peer_id] == witness.evidence[KEYS[0].peer_id]  # kept, to pass on
     assert peer.receive(encode_update(update(KEYS[0], 2, seed=1)))[0] == "rejected_banned"
     assert not peer.replica.ban(KEYS[0].peer_id, "again")  # already banned
+
+
+def test_replicas_that_merged_different_versions_meet_again_after_the_ban() -> None:
+    """The equivocation repair (Replica rule 7): A merged one version of the slot, B the other; with the same
+    honest updates around it their thetas differ although their vectors are equal. A detects it (B's version
+    reaches it), bans and takes its version back; B takes its own back on A's proof. Then theta_A == theta_B,
+    V_A == V_B, and both equal a replica that never saw the slot."""
+    evil, honest = KEYS
+    one, two = update(evil, 2, seed=21), update(evil, 2, seed=22)
+    common = [update(evil, 1, seed=20), update(honest, 1, seed=23), update(honest, 2, seed=24)]
+    a, b, clean = intake(UpdateStore(1 << 20)), intake(UpdateStore(1 << 20)), intake()
+    for node, version in ((a, one), (b, two), (clean, None)):
+        for u in [common[0], version, *common[1:]] if version else common:
+            assert node.receive(encode_update(u))[0] == "merged"
+            if node.store is not None:
+                node.store.add(u)
+    assert a.replica.version_vector == b.replica.version_vector
+    assert not torch.allclose(a.replica.theta, b.replica.theta)
+    assert a.receive(encode_update(two))[0] == "equivocation"  # A sees the other version
+    assert a.events["taken_back"] == 1 and a.replica.stats["unmerged"] == 1
+    assert b.accept_evidence(*a.evidence[evil.peer_id]) == evil.peer_id
+    assert b.events["taken_back"] == 1
+    for node in (a, b):
+        assert node.replica.version_vector == clean.replica.version_vector
+        assert not node.replica.version_vector.has(evil.peer_id, 2) and node.replica.version_vector.has(evil.peer_id, 1)
+        torch.testing.assert_close(node.replica.theta, clean.replica.theta, rtol=0, atol=1e-6)
+    # the proof again changes nothing (nothing left to take back)
+    b.replica.unmerge(one), b.replica.unmerge(two)
+    torch.testing.assert_close(b.replica.theta, clean.replica.theta, rtol=0, atol=1e-6)

@@ -432,17 +432,55 @@ def test_a_peer_met_after_the_ban_gets_the_proof(loop, members) -> None:
 
             loop.run(meet())
             loop.run(a.gossip.request_pull(c_member.node.peer_id))
-            wait_until(lambda: equivocator.peer_id in a.replica.banned, 10, "A to ban the equivocator")
-            assert a.relay.stats["evidence_sent"] == 0 and equivocator.peer_id not in b.replica.banned
+            # the proof handed to the relay (on the loop, just after the ban in the intake's thread)
+            wait_until(lambda: a.gossip.stats["evidence_found"] == 1, 10, "A to find the equivocation")
+            assert equivocator.peer_id in a.replica.banned and equivocator.peer_id not in b.replica.banned
+            assert a.relay.stats["evidence_sent"] == 0
             a.view.append(b.node.peer_id)
             loop.run(meet())
-            wait_until(lambda: equivocator.peer_id in b.replica.banned, 10, "B to ban on the proof A handed it")
-            assert b.relay.stats["evidence_verified"] == 1
+            wait_until(lambda: b.relay.stats["evidence_verified"] == 1, 10, "B to verify the proof A handed it")
+            assert equivocator.peer_id in b.replica.banned
             loop.run(meet())  # B is met: nothing is sent again
             wait_until(lambda: not a.relay._tasks, 10, "A's pushes to finish")
             assert a.relay.stats["evidence_sent"] == 1
     finally:
         loop.run(rpc.unserve(c_member.node.p2p, name))
+
+
+def test_a_split_equivocation_is_found_and_both_replicas_take_their_version_back(loop, members) -> None:
+    """The equivocator gives A one version of its seq 2 and B another: their vectors are equal, so no pull
+    by vector would ever bring either the other's version. The ids digests in A's pull request tell B that A
+    merged other updates for those slots; B hands A its versions; A's intake finds the equivocation, bans,
+    takes its version back and passes on the proof; B verifies it, bans and takes its version back. Then
+    both replicas equal one that merged the honest updates only."""
+    a_member, b_member, _ = members
+    equivocator = Identity.generate()
+    first = _updates(equivocator, 1, seed=70)[0]
+    two_a, two_b = (_updates(equivocator, 2, seed=seed)[1] for seed in (71, 72))
+    honest = _updates(Identity.generate(), 2, seed=73)
+    clean = _replica()
+    for u in (first, *honest):
+        clean.offer(u)
+    config = GossipConfig(anti_entropy_s=QUIET, rpc_timeout_s=5)
+    with gossiping(loop, [a_member, b_member], config, limits=RateLimitConfig(penalty_s=0)) as (a, b):
+
+        async def hand(peer: Peer, updates: list[OuterUpdate]) -> None:  # as if pulled from the equivocator
+            for u in updates:
+                assert peer.intake.receive(encode_update(u))[0] == "merged"
+                peer.store.add(u)
+
+        loop.run(hand(a, [first, two_a, *honest]))
+        loop.run(hand(b, [first, two_b, *honest]))
+        assert a.vv == b.vv and not torch.allclose(a.replica.theta, b.replica.theta)
+        loop.run(a.gossip.request_pull(b.node.peer_id))  # what anti-entropy does every few seconds
+        wait_until(lambda: all(equivocator.peer_id in p.replica.banned for p in (a, b)), 15,
+                   "both to ban the equivocator")
+        wait_until(lambda: a.intake.events["taken_back"] == 1 and b.intake.events["taken_back"] == 1, 15,
+                   "both to take their version back")
+        assert b.gossip.stats["id_mismatches"] >= 1 and a.gossip.stats["evidence_found"] >= 1
+        for p in (a, b):
+            assert p.vv == clean.version_vector
+            torch.testing.assert_close(p.replica.theta, clean.theta, rtol=0, atol=1e-6)
 
 
 def test_a_closed_run_refuses_outsiders_on_every_rpc(loop, members) -> None:

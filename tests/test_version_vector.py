@@ -238,3 +238,16 @@ def test_unservable_merges_names_what_only_we_merged_and_cannot_serve() -> None:
     held = {("a", 3), ("b", 1)}
     assert unservable_merges(local, remote, lambda s, q: (s, q) in held) == [("a", 2), ("a", 4), ("b", 2)]
     assert unservable_merges(remote, local, lambda s, q: False) == []  # the skipping side never yields
+
+
+@given(merged_sets, st.data())
+def test_without_is_the_inverse_of_with_merged(merged: dict[str, set[int]], data) -> None:  # noqa: ANN001
+    vv = build(merged)
+    if not merged:
+        return
+    sender, seq = data.draw(st.sampled_from(sorted(as_set(merged))))
+    rest = {s: qs - {seq} if s == sender else qs for s, qs in merged.items()}
+    assert vv.without(sender, seq) == build({s: qs for s, qs in rest.items() if qs})  # the unique form
+    assert vv.without(sender, seq).with_merged(sender, seq) == vv
+    with pytest.raises(ValueError, match="not merged"):
+        vv.without(sender, seq).without(sender, seq)

@@ -10,10 +10,16 @@ read from a payload.
       from it.
 
   pull      "p2p-diloco/<run_id>/pull"
-      request  = msgpack {"vv": {sender: seq}, "limit": n}      the requester's version vector
-      response = a stream, each chunk one encoded update (`encode_update`, <= `Intake.max_bytes`): the updates
-                 the responder holds in its store with seq > vv[sender] (`UpdateStore.missing_for`), at most
-                 min(n, pull_max_updates), the lowest missing seq of every sender first.
+      request  = msgpack {"vv": {sender: seq}, "limit": n, "ids": {sender: hex16}}   the requester's version
+                 vector, and for up to MAX_ID_DIGESTS senders a digest of the update ids it merged for its
+                 newest ID_WINDOW seqs of that sender (gossip_messages.ids_digest; "ids" may be absent)
+      response = a stream, each chunk one encoded update (`encode_update`, <= `Intake.max_bytes`): first, for
+                 every sender whose digest differs from ours over the same seqs, the updates we hold for those
+                 seqs (the requester merged other versions of them: an equivocation split between us, which
+                 vectors cannot show; its intake proves it, bans and takes its version back, and the proof
+                 reaches us through the evidence relay); then the updates the responder holds in its store with
+                 seq > vv[sender] (`UpdateStore.missing_for`); at most min(n, pull_max_updates) in all, the
+                 lowest missing seq of every sender first.
       A full batch means more may remain, so the requester pulls again (at most MAX_PULL_ROUNDS rounds).
       The request also tells the responder what the requester holds: if that is anything the responder
       lacks, the responder schedules a pull back, so every exchange runs both ways.
@@ -60,12 +66,18 @@ from typing import Any
 from p2p_diloco.net import rpc
 from p2p_diloco.net.gossip_messages import (
     HOSTILE_OUTCOMES,
+    MAX_ID_DIGESTS,
     MAX_VECTOR_BYTES,
     PULL_FAILURES,
     GossipConfig,
     InvalidPull,
+    Request,
     decode_request,
     encode_request,
+    id_window,
+    ids_digest,
+    parse_request,
+    summarize_ids,
 )
 from p2p_diloco.net.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
@@ -90,7 +102,7 @@ MAX_CONCURRENT_ANNOUNCES_SERVED = 64
 _KEPT = (MergeOutcome.MERGED.value, MergeOutcome.BUFFERED.value)
 _STATS = ("published", "bytes_sent", "bytes_received", "announces_sent", "announces_received", "announce_failures",
           "announces_dropped", "pulls", "pull_failures", "pulls_served", "pulls_dropped", "updates_received",
-          "updates_new", "bad_requests", "pulls_skipped", "evidence_found")
+          "updates_new", "bad_requests", "pulls_skipped", "evidence_found", "id_mismatches")
 
 
 class Gossip:
@@ -200,22 +212,53 @@ class Gossip:
     async def rpc_announce(self, request: bytes, caller: str) -> bytes:
         self.stats["announces_received"] += 1
         self.stats["bytes_received"] += len(request)
-        remote, _ = self._decode(request, pull=False, caller=caller)
+        remote = self._decode(request, pull=False, caller=caller).vv
         self._consider(caller, remote)
         return b""
 
     async def rpc_pull(self, request: bytes, caller: str) -> AsyncIterator[bytes]:
         self.stats["pulls_served"] += 1
         self.stats["bytes_received"] += len(request)
-        remote, limit = self._decode(request, pull=True, caller=caller)
+        parsed = self._decode(request, pull=True, caller=caller)
+        remote, limit = parsed.vv, min(parsed.limit, self.config.pull_max_updates)
         self._consider(caller, remote)  # the requester may hold what we lack: pull back
         banned = self.intake.replica.banned  # never spread what we refuse ourselves
-        return self._encoded([u for u in self.store.missing_for(remote, min(limit, self.config.pull_max_updates))
-                              if u.sender not in banned])
+        others = self._other_versions(parsed.ids, remote, limit)
+        missing = self.store.missing_for(remote, limit - len(others))
+        return self._encoded([u for u in [*others, *missing] if u.sender not in banned])
 
-    def _decode(self, request: bytes, *, pull: bool, caller: str) -> tuple[VersionVector, int]:
+    def _other_versions(self, digests: dict[str, str], remote: VersionVector, limit: int) -> list[OuterUpdate]:
+        """The updates we hold for the slots where the requester merged other versions than we did (its
+        `ids` digests differ from ours over the same seqs): handed to it, its intake finds the equivocation
+        and proves it, and the proof comes back to us through the evidence relay."""
+        out: list[OuterUpdate] = []
+        for sender, digest in digests.items():
+            seqs = id_window(remote, sender)
+            ours = self.intake.replica.recent_ids(sender, seqs)
+            if ours is None or ids_digest(seqs, ours) == digest:
+                continue  # we do not hold the same slots merged, or we merged the same updates
+            self.stats["id_mismatches"] += 1
+            logger.warning("a peer merged other updates than we did for the same slots sender=%s seqs=%d-%d",
+                           sender[-8:], seqs[0], seqs[-1])
+            for seq in seqs:
+                update = self.store.get(sender, seq)
+                if update is not None and len(out) < limit:
+                    out.append(update)
+        return out
+
+    def _id_digests(self, wanted: VersionVector) -> dict[str, str]:
+        """Digests of the ids we merged lately, for up to MAX_ID_DIGESTS random senders whose window in the
+        request's vector is all merged here (claims of other pulls are not)."""
+        replica = self.intake.replica
+        ours = replica.version_vector
+        senders = [s for s in wanted if id_window(wanted, s) == id_window(ours, s)]
+        if len(senders) > MAX_ID_DIGESTS:
+            senders = self._rng.sample(senders, MAX_ID_DIGESTS)
+        return summarize_ids(wanted, replica.recent_ids, senders)
+
+    def _decode(self, request: bytes, *, pull: bool, caller: str) -> Request:
         try:
-            return decode_request(request, pull=pull)
+            return parse_request(request, pull=pull)
         except rpc.RpcError:
             self.stats["bad_requests"] += 1
             self._count(caller, "bad_request")
@@ -289,7 +332,8 @@ class Gossip:
     async def _pull_once(self, peer: str) -> tuple[int, int]:
         """One pull request; returns (updates received, updates new to us)."""
         limit = self.config.pull_max_updates
-        request = encode_request(self._wanted_vector(peer), limit)
+        wanted = self._wanted_vector(peer)
+        request = encode_request(wanted, limit, ids=self._id_digests(wanted))
         self.stats["pulls"] += 1
         self.stats["bytes_sent"] += len(request)
         max_bytes = self.intake.max_bytes

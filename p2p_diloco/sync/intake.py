@@ -155,8 +155,25 @@ class Intake:
         conflict = self.replica.conflicts.pop(sender, None)
         if conflict is not None:
             self._prove(sender, conflict)
+        self._take_back(sender)
         if self.store is not None:
             self.store.ban(sender)
+
+    def _take_back(self, sender: str) -> None:
+        """Equivocation repair (Replica rule 7): un-merge whichever version of the proven slot we merged."""
+        with self._lock:
+            pair = self.evidence.get(sender)
+        if pair is None:
+            return
+        for envelope in pair:
+            try:
+                update = decode_update(envelope, max_bytes=self.max_bytes, run_id=self.spec.run_id,
+                                       spec_hash=self.spec_hash)
+            except WireError:  # verified when it was kept; nothing to take back if it no longer decodes
+                continue
+            if self.replica.unmerge(update):
+                with self._lock:
+                    self.events["taken_back"] += 1
 
     def _prove(self, sender: str, conflict: Conflict) -> None:
         first = conflict.first

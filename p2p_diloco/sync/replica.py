@@ -42,6 +42,11 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    (`adopt`, triggered on `UpdateStore.unservable_for`), so all replicas meet again. When to skip is each
    replica's own (timing) decision; what it changes is named exactly by V, so the replicas differ only while
    the vectors differ, and pulls or the repair make the vectors equal.
+7. Equivocation repair: replicas that merged different versions of one equivocated slot hold equal vectors
+   and different `theta`s, which no vector comparison would ever notice. So when a sender is banned for
+   equivocation, each replica takes back (`unmerge`) whichever of the two proven versions it merged: the
+   slot becomes a hole (or the entry drops below it) everywhere, and what was merged there is the same
+   set again. Versions merged beyond the two in the proof are not known and are not taken back.
 
 Threading: the network thread offers while the compute thread takes snapshots. Decoding and screening run
 outside the lock (the expensive part); the state is re-checked under the lock before the axpy, so two threads
@@ -289,6 +294,43 @@ class Replica:
                 return False
             self._ban(sender, reason)
             return True
+
+    def recent_ids(self, sender: str, seqs: Iterable[int]) -> list[bytes] | None:
+        """The update_ids merged here for `sender`'s `seqs`; None if one of them is not merged or its id is no
+        longer kept (gossip compares these with a peer's, to find slots where the two merged different
+        versions: an equivocation no version vector shows)."""
+        with self.lock:
+            known = self._merged_ids.get(sender, {})
+            ids = [known.get(seq) for seq in seqs]
+            if any(i is None for i in ids) or not all(self._vv.has(sender, seq) for seq in seqs):
+                return None
+            return ids  # type: ignore[return-value]
+
+    def unmerge(self, update: UpdateLike) -> bool:
+        """Take back a merged update (rule 7): `theta += outer_lr * w * shape(decode(update))` and V loses
+        `(sender, seq)`. For the equivocation repair: of two signed versions of one slot, some replicas merged
+        one and some the other; each takes back the one it merged, so the slot is merged nowhere and the
+        replicas meet again. Only this exact update (by update_id) is taken back; False if it is not the
+        one merged here, or if the aggregation is receiver-dependent (centered_clip: its shaping cannot be
+        redone exactly, so that divergence is left to the repair)."""
+        with self.lock:
+            merged = self._merged_ids.get(update.sender, {}).get(update.seq)
+            if merged is None or merged != update.update_id or not self._vv.has(update.sender, update.seq):
+                return False
+            if not self.policy.deterministic:
+                logger.warning("cannot take back an update under a receiver-dependent aggregation sender=%s "
+                               "seq=%d", update.sender, update.seq)
+                return False
+            prepared = self._prepare(update)  # it passed every check when it merged, identically now
+            if prepared.scaled is None:
+                return False
+            self._theta.add_(prepared.scaled)
+            self._peak_bound = _peak(self._theta)
+            self._vv = self._vv.without(update.sender, update.seq)
+            del self._merged_ids[update.sender][update.seq]
+            self.stats["unmerged"] = self.stats.get("unmerged", 0) + 1
+        logger.warning("merged update taken back sender=%s seq=%d", update.sender, update.seq)
+        return True
 
     def load(self, theta: Tensor, version_vector: VersionVector) -> list[UpdateLike]:
         """Replace the state (state sync, restart). Buffered updates the new state already includes are

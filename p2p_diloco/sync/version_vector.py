@@ -187,6 +187,33 @@ class VersionVector(Mapping[str, int]):
             all_holes.pop(sender, None)
         return VersionVector._trusted(entries, all_holes)
 
+    def without(self, sender: str, seq: int) -> VersionVector:
+        """The vector of this set minus update `(sender, seq)` (the inverse of `with_merged`): below the entry
+        the seq becomes a hole; at the entry, the entry drops to the highest merged seq below it (holes under
+        it go with it, so the representation stays unique). ValueError if it is not merged."""
+        if not self.has(sender, seq):
+            raise ValueError(f"update ({sender!r}, {seq}) is not merged")
+        current, holes = self.get(sender), self._holes.get(sender, frozenset())
+        entries, all_holes = dict(self._entries), dict(self._holes)
+        if seq < current:
+            if self.n_holes + 1 > MAX_HOLES:
+                raise ValueError(f"taking back ({sender!r}, {seq}) would exceed {MAX_HOLES} holes")
+            all_holes[sender] = holes | {seq}
+            return VersionVector._trusted(entries, all_holes)
+        top = seq - 1
+        while top in holes:
+            top -= 1
+        kept = frozenset(h for h in holes if h < top)
+        if top > 0:
+            entries[sender] = top
+        else:
+            entries.pop(sender, None)
+        if kept:
+            all_holes[sender] = kept
+        else:
+            all_holes.pop(sender, None)
+        return VersionVector._trusted(entries, all_holes)
+
     def merge(self, other: VersionVector) -> VersionVector:
         """The vector of the union of both merged sets (commutative, associative, idempotent). Without holes
         this is the pointwise max."""
