@@ -167,3 +167,53 @@ def test_replicas_that_merged_different_versions_meet_again_after_the_ban() -> N
     # the proof again changes nothing (nothing left to take back)
     b.replica.unmerge(one), b.replica.unmerge(two)
     torch.testing.assert_close(b.replica.theta, clean.replica.theta, rtol=0, atol=1e-6)
+
+
+def _stored(node: Intake, *updates: OuterUpdate) -> None:
+    for u in updates:
+        assert node.receive(encode_update(u))[0] == "merged"
+        node.store.add(u)
+
+
+def test_a_split_over_several_slots_is_taken_back_from_the_proven_slot_on() -> None:
+    evil, honest = KEYS
+    first, h1 = update(evil, 1, seed=30), update(honest, 1, seed=31)
+    a_two, a_three = update(evil, 2, seed=32), update(evil, 3, seed=33)
+    b_two, b_three = update(evil, 2, seed=34), update(evil, 3, seed=35)
+    a, b, clean = intake(UpdateStore(1 << 20)), intake(UpdateStore(1 << 20)), intake()
+    _stored(a, first, a_two, a_three, h1)
+    _stored(b, first, b_two, b_three, h1)
+    for u in (first, h1):
+        clean.receive(encode_update(u))
+    assert a.receive(encode_update(b_two))[0] == "equivocation"
+    assert b.accept_evidence(*a.evidence[evil.peer_id]) == evil.peer_id
+    for node in (a, b):
+        assert node.events["taken_back"] == 2  # seq 3, then the proven seq 2
+        assert node.replica.version_vector == clean.replica.version_vector
+        torch.testing.assert_close(node.replica.theta, clean.replica.theta, rtol=0, atol=1e-6)
+
+
+def test_evidence_against_a_sender_banned_for_something_else_still_repairs() -> None:
+    evil = KEYS[0]
+    first, mine, theirs = update(evil, 1, seed=40), update(evil, 2, seed=41), update(evil, 2, seed=42)
+    node, clean = intake(UpdateStore(1 << 20)), intake()
+    _stored(node, first, mine)
+    clean.receive(encode_update(first))
+    assert node.replica.ban(evil.peer_id, "a later update failed a check")  # banned, nothing taken back
+    assert node.replica.version_vector.has(evil.peer_id, 2)
+    witness = intake()
+    witness.receive(encode_update(mine)), witness.receive(encode_update(theirs))
+    node.accept_evidence(*witness.evidence[evil.peer_id])
+    assert node.events["taken_back"] == 1 and node.replica.version_vector == clean.replica.version_vector
+    torch.testing.assert_close(node.replica.theta, clean.replica.theta, rtol=0, atol=1e-6)
+
+
+def test_no_id_is_trusted_after_a_load() -> None:
+    # after a state sync or an adopt, theta holds the donor's version of a slot, whatever we merged before
+    node = intake()
+    mine = update(KEYS[0], 1, seed=50)
+    node.receive(encode_update(mine))
+    assert node.replica.recent_ids(KEYS[0].peer_id, [1]) == [mine.update_id]
+    theta, vv = node.replica.snapshot()
+    node.replica.load(theta, vv)
+    assert node.replica.recent_ids(KEYS[0].peer_id, [1]) is None and not node.replica.unmerge(mine)

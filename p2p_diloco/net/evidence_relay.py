@@ -17,8 +17,9 @@ Protocol (one RPC per run, behind the PeerGuard):
 
 The intake keeps the last few proofs (`MAX_EVIDENCE`); we forward each accused sender's proof once. A peer
 that joins after the ban would not know it, and would merge what the banned sender sends it: so each peer we
-meet for the first time (`meet`) gets the proofs we hold, from each holder with probability fanout / members
-(about `fanout` pushes per newcomer, whatever the swarm's size). Counted in the guard's
+meet for the first time, or again after it was gone (`meet`), gets the proofs we hold, from each holder with
+probability 2 * fanout / members (about 2 * fanout pushes per newcomer, whatever the swarm's size; a failed
+push is tried again at the next meet). Counted in the guard's
 rejections: `evidence_verified` (against the accused) and `evidence_invalid` (against the sender of the bad
 evidence).
 """
@@ -82,7 +83,8 @@ class EvidenceRelay:
         self._peers = peers
         self._tasks: set[asyncio.Task] = set()
         self._published: OrderedDict[str, None] = OrderedDict()
-        self._met: OrderedDict[str, None] = OrderedDict()  # peers already listed (told, or told by others)
+        self._met: set[str] = set()  # the peers listed at the last `meet` (told, or told by others)
+        self._unmet: set[str] = set()  # newcomers whose push failed: told again at the next `meet`
         self._rng = random.Random()
 
     async def start(self) -> None:
@@ -116,33 +118,35 @@ class EvidenceRelay:
             self._spawn(peer, request)
 
     def meet(self) -> None:
-        """Hand the proofs we hold to the live peers we see for the first time (call on the loop, after each
-        refresh of the peer list). Peers listed before a ban got its proof by `publish` and forwarding."""
-        members = [p for p in dict.fromkeys(self._peers()) if p != self.node.peer_id]
-        new = [p for p in members if p not in self._met]
-        for peer in new:
-            self._met[peer] = None
-        while len(self._met) > MAX_PUBLISHED:
-            self._met.popitem(last=False)
+        """Hand the proofs we hold to the peers newly listed (call on the loop, after each refresh of the peer
+        list): peers that joined, or came back (a restarted peer forgot its bans). Peers listed before a ban got
+        its proof by `publish` and forwarding."""
+        members = [p for p in dict.fromkeys(self._peers()) if p != self.node.peer_id][:MAX_PUBLISHED]
+        new = [p for p in members if p not in self._met or p in self._unmet]
+        self._met, self._unmet = set(members), self._unmet - set(new)
         proofs = list(self.intake.evidence.values())
         if not proofs or not new:
             return
-        chance = min(1.0, self.fanout / len(members))
+        # Each holder tells a newcomer with this chance: about 2*fanout pushes per newcomer in all, and the
+        # chance that none does is about exp(-2*fanout) (0.25% at fanout 3), whatever the swarm's size.
+        chance = min(1.0, 2 * self.fanout / len(members))
         for peer in new:
             if self._rng.random() >= chance:
                 continue
             for first, second in proofs:
-                self._spawn(peer, encode_evidence((first, second)))
+                self._spawn(peer, encode_evidence((first, second)), newcomer=True)
 
-    def _spawn(self, peer: str, request: bytes) -> None:
+    def _spawn(self, peer: str, request: bytes, *, newcomer: bool = False) -> None:
         if len(self._tasks) >= MAX_FORWARD_TASKS:
             self.stats["evidence_dropped"] += 1
+            if newcomer:
+                self._unmet.add(peer)
             return
-        task = asyncio.create_task(self._push(peer, request), name=f"evidence:{peer[-8:]}")
+        task = asyncio.create_task(self._push(peer, request, newcomer=newcomer), name=f"evidence:{peer[-8:]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _push(self, peer: str, request: bytes) -> None:
+    async def _push(self, peer: str, request: bytes, *, newcomer: bool = False) -> None:
         try:
             await rpc.call(self.node.p2p, peer, self.name, request, max_response_bytes=16, timeout_s=self.timeout_s)
             self.stats["evidence_sent"] += 1
@@ -150,13 +154,15 @@ class EvidenceRelay:
             raise
         except Exception as e:  # counted; the evidence may still reach it through another peer
             self.stats["evidence_send_failures"] += 1
+            if newcomer and len(self._unmet) < MAX_PUBLISHED:
+                self._unmet.add(peer)  # try again at the next meet
             logger.info("evidence push failed peer=%s error=%s", peer, e)
 
     async def rpc_evidence(self, request: bytes, caller: str) -> bytes:
         self.stats["evidence_received"] += 1
         try:
             first, second = decode_evidence(request, max_bytes=self.max_update_bytes)
-            if accused_of(first) in self.intake.replica.banned:
+            if accused_of(first) in self.intake.evidence:  # proven before: banned and repaired already
                 self.stats["evidence_known"] += 1
                 return b""
             # Two signature checks and two payload hashes (off the loop); bans only if the proof holds.

@@ -238,8 +238,8 @@ class Gossip:
             if ours is None or ids_digest(seqs, ours) == digest:
                 continue  # we do not hold the same slots merged, or we merged the same updates
             self.stats["id_mismatches"] += 1
-            logger.warning("a peer merged other updates than we did for the same slots sender=%s seqs=%d-%d",
-                           sender[-8:], seqs[0], seqs[-1])
+            self._log_failure(sender, "id comparison", RuntimeError(
+                f"a peer merged other updates of this sender than we did for seqs {seqs[0]}-{seqs[-1]}"))
             for seq in seqs:
                 update = self.store.get(sender, seq)
                 if update is not None and len(out) < limit:
@@ -251,7 +251,8 @@ class Gossip:
         request's vector is all merged here (claims of other pulls are not)."""
         replica = self.intake.replica
         ours = replica.version_vector
-        senders = [s for s in wanted if id_window(wanted, s) == id_window(ours, s)]
+        # Requests carry no holes, so the responder sees a window as contiguous: only hole-free ones compare.
+        senders = [s for s in wanted if not ours.holes(s) and id_window(wanted, s) == id_window(ours, s)]
         if len(senders) > MAX_ID_DIGESTS:
             senders = self._rng.sample(senders, MAX_ID_DIGESTS)
         return summarize_ids(wanted, replica.recent_ids, senders)
@@ -278,7 +279,7 @@ class Gossip:
         self._known[peer] = remote  # replaced, not merged: a peer restarted from a checkpoint may hold less
         while len(self._known) > MAX_WANTED_PEERS:
             self._known.popitem(last=False)
-        if self._running and peer != self.node.peer_id and self._vector().missing_from(remote) \
+        if self._running and peer != self.node.peer_id and self._lacks(self._vector(), remote) \
                 and (self.guard is None or self.guard.is_member(peer)):
             self._want_pull(peer, remote, force=False)
 
@@ -309,7 +310,7 @@ class Gossip:
                 remote, force = self._wanted.pop(peer)
                 self._claims[peer] = remote
                 for _ in range(MAX_PULL_ROUNDS):
-                    if not (force or self._wanted_vector(peer).missing_from(remote)) or not self._may_pull(peer):
+                    if not (force or self._lacks(self._wanted_vector(peer), remote)) or not self._may_pull(peer):
                         break
                     received, new = await self._pull_once(peer)
                     brought += new
@@ -450,7 +451,7 @@ class Gossip:
         replica is about to change. Thread-safe enough for a poll from another thread (copies, no mutation)."""
         ours, known = self._vector(), self._known
         pending = [known.get(peer) for peer in (*list(self._pulls), *list(self._wanted))]
-        return any(ours.missing_from(vv) for vv in pending if vv is not None)
+        return any(self._lacks(ours, vv) for vv in pending if vv is not None)
 
     # ---- helpers ------------------------------------------------------------------------------------------
 
@@ -460,6 +461,12 @@ class Gossip:
 
     def _min_bytes_per_s(self) -> float:
         return self.guard.limits.min_stream_bytes_per_s if self.guard is not None else 0.0
+
+    def _lacks(self, ours: VersionVector, remote: VersionVector) -> bool:
+        """`remote` holds updates `ours` lacks, of senders we have not banned: a banned sender's seqs are never
+        served, and a replica that took back an equivocation holds fewer of them than one that could not."""
+        banned = self.intake.replica.banned
+        return any(sender not in banned for sender in ours.missing_from(remote))
 
     def _vector(self) -> VersionVector:
         # Vectors are immutable and swapped whole by the replica: reading one needs no lock.

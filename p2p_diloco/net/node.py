@@ -349,13 +349,15 @@ async def _meet_again_in_dht(_dht: DHT, node: Any, peers: dict[str, list[str]], 
             # its daemon client's); a failed dial is fine: the ping says whether the peer is back
             try:
                 addrs = [HivemindMultiaddr(m.split("/p2p/")[0]) for m in maddrs]
-                await asyncio.wait_for(node.p2p._client.connect(peer_id, addrs), timeout_s)
+                await asyncio.wait_for(node.p2p._client.connect(peer_id, addrs), timeout_s / 2)
             except Exception as e:
                 logger.debug("dial before ping failed peer=%s error=%r", pid_text, e)
-        node_id = await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout_s)
+        node_id = await node.protocol.call_ping(peer_id)
         return pid_text if node_id is not None and not known else None
 
-    results = await asyncio.gather(*(meet(p, m) for p, m in peers.items()), return_exceptions=True)
+    # One deadline per peer for dial and ping together: the caller waits timeout_s (+ margin) for all of them.
+    results = await asyncio.gather(*(asyncio.wait_for(meet(p, m), timeout_s) for p, m in peers.items()),
+                                   return_exceptions=True)
     return [r for r in results if isinstance(r, str)]
 
 

@@ -44,8 +44,9 @@ def default_checkpoint_dir(out_dir: str, run_id: str, spec_hash: str, peer_id: s
     return Path("~/.local/share/p2p-diloco").expanduser() / f"{run}-{spec_hash[:12]}" / peer_id
 
 
-def _lagging(vv: Any, targets: dict[str, int]) -> dict[str, int]:
-    return {pid: seq - vv.get(pid) for pid, seq in targets.items() if vv.get(pid) < seq}
+def _lagging(vv: Any, targets: dict[str, int], banned: Any = frozenset()) -> dict[str, int]:
+    # A banned sender's seqs are never served again: waiting for them would stall into a state sync.
+    return {pid: seq - vv.get(pid) for pid, seq in targets.items() if vv.get(pid) < seq and pid not in banned}
 
 
 async def catch_up(network: Any, learner: Any, *, stall_s: float, max_s: float,
@@ -59,7 +60,9 @@ async def catch_up(network: Any, learner: Any, *, stall_s: float, max_s: float,
                     key=lambda pid: -number(records[pid], "version_vector_total"))
     started = time.monotonic()
     vv0 = learner.replica.version_vector
-    summary = {"targets": len(targets), "lag": sum(_lagging(vv0, targets).values()), "vv_total_before": vv0.total()}
+    banned = learner.replica.banned
+    summary = {"targets": len(targets), "lag": sum(_lagging(vv0, targets, banned).values()),
+               "vv_total_before": vv0.total()}
     if not donors:
         return {**summary, "how": "alone", "seconds": 0.0, "vv_total": vv0.total()}
     for pid in donors[:MAX_PULL_PEERS]:
@@ -68,7 +71,7 @@ async def catch_up(network: Any, learner: Any, *, stall_s: float, max_s: float,
     how = "caught_up"
     while True:
         vv = learner.replica.version_vector
-        lagging = _lagging(vv, targets)
+        lagging = _lagging(vv, targets, banned)
         now = time.monotonic()
         if not lagging:
             break

@@ -211,6 +211,7 @@ class SnapshotServer:
             "run_id": self.run_id, "spec_hash": self.spec_hash, "donor": self.node.peer_id,
             "snapshot_id": snapshot_id, "created_at": time.time(), "numel": theta.numel(), "dtype": "float32",
             "chunk_bytes": size, "version_vector": vv.to_dict(), "chunk_digests": digests,
+            "version_vector_holes": vv.holes_dict(),
         }, use_bin_type=True)
         response = msgpack.packb({"m": manifest, "s": self._sign(manifest)}, use_bin_type=True)
         if len(response) > self.config.max_manifest_bytes:

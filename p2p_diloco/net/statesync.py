@@ -6,7 +6,9 @@ Protocol: two RPCs per run on the donor's P2P replica (the donor's side: net/sna
       request  = msgpack {"run_id", "spec_hash", "numel"}      the joiner's own (a mismatch is refused, saying so)
       response = msgpack {"m": manifest_bytes, "s": sign_blob(donor identity, MANIFEST_DOMAIN, manifest_bytes)}
       manifest = msgpack {run_id, spec_hash, donor, snapshot_id, created_at, numel, dtype: "float32",
-                          chunk_bytes, version_vector: {sender: seq}, chunk_digests: [sha256 of each chunk]}
+                          chunk_bytes, version_vector: {sender: seq}, chunk_digests: [sha256 of each chunk],
+                          version_vector_holes: {sender: [seq, ...]} (optional: the seqs below an entry that
+                          the snapshot has not merged)}
   chunk     "p2p-diloco/<run_id>/chunk"
       request  = msgpack {"snapshot_id", "index"}
       response = bytes [index * chunk_bytes, (index + 1) * chunk_bytes) of theta as little-endian float32
@@ -165,8 +167,8 @@ def _parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str,
         raise DonorError("bad manifest signature (not signed by the donor)")
     try:
         m = _unpack(manifest_bytes, "manifest", max_bin_len=_DIGEST_BYTES)
-        if not isinstance(m, dict) or set(m) != _MANIFEST_KEYS:
-            raise ValueError(f"manifest keys must be {sorted(_MANIFEST_KEYS)}")
+        if not isinstance(m, dict) or not _MANIFEST_KEYS <= set(m) <= _MANIFEST_KEYS | {"version_vector_holes"}:
+            raise ValueError(f"manifest keys must be {sorted(_MANIFEST_KEYS)} (and version_vector_holes)")
     except ValueError as e:
         raise DonorError(str(e)) from None
 
@@ -191,7 +193,7 @@ def _parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str,
     expect(isinstance(snapshot_id, str) and 0 < len(snapshot_id) <= 64, "bad snapshot_id")
     expect(type(m["created_at"]) in (int, float) and math.isfinite(m["created_at"]), "bad created_at")
     try:
-        vv = VersionVector.from_dict(m["version_vector"])
+        vv = VersionVector.from_dict(m["version_vector"], holes=m.get("version_vector_holes"))
     except ValueError as e:
         raise DonorError(f"manifest refused: bad version vector: {e}") from None
     return Manifest(donor, snapshot_id, float(m["created_at"]), chunk_bytes, tuple(digests), vv)

@@ -137,7 +137,8 @@ class Intake:
         with self._lock:
             self._keep(sender, pair)
             self.events["evidence_accepted"] += 1
-        self.replica.ban(sender, "equivocation evidence from another peer")
+        if not self.replica.ban(sender, "equivocation evidence from another peer"):
+            self._take_back(sender)  # banned before (e.g. a later bad update): its split slot is repaired now
         return sender
 
     def check_layout(self, update: UpdateLike) -> str | None:
@@ -160,20 +161,32 @@ class Intake:
             self.store.ban(sender)
 
     def _take_back(self, sender: str) -> None:
-        """Equivocation repair (Replica rule 7): un-merge whichever version of the proven slot we merged."""
+        """Equivocation repair (Replica rule 7): un-merge whichever version of the proven slot we merged, and
+        every later seq of the sender we merged and still hold (called before the store forgets them)."""
         with self._lock:
             pair = self.evidence.get(sender)
         if pair is None:
             return
+        versions: list[OuterUpdate] = []
         for envelope in pair:
             try:
-                update = decode_update(envelope, max_bytes=self.max_bytes, run_id=self.spec.run_id,
-                                       spec_hash=self.spec_hash)
+                versions.append(decode_update(envelope, max_bytes=self.max_bytes, run_id=self.spec.run_id,
+                                              spec_hash=self.spec_hash))
             except WireError:  # verified when it was kept; nothing to take back if it no longer decodes
                 continue
+        if not versions:
+            return
+        slot, vv = versions[0].seq, self.replica.version_vector
+        later = [self.store.get(sender, seq) for seq in range(vv.get(sender), slot, -1) if vv.has(sender, seq)] \
+            if self.store is not None else []
+        missing = sum(1 for u in later if u is None)
+        for update in [*(u for u in later if u is not None), *versions]:  # newest first: V shrinks from the top
             if self.replica.unmerge(update):
                 with self._lock:
                     self.events["taken_back"] += 1
+        if missing:
+            logger.warning("equivocation repair incomplete sender=%s: %d later merged update(s) no longer held",
+                           sender[:16], missing)
 
     def _prove(self, sender: str, conflict: Conflict) -> None:
         first = conflict.first

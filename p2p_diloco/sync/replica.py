@@ -46,7 +46,8 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    and different `theta`s, which no vector comparison would ever notice. So when a sender is banned for
    equivocation, each replica takes back (`unmerge`) whichever of the two proven versions it merged: the
    slot becomes a hole (or the entry drops below it) everywhere, and what was merged there is the same
-   set again. Versions merged beyond the two in the proof are not known and are not taken back.
+   set again. Every later seq of that sender merged here is taken back too (those held: `Intake`), so a
+   sender that split several slots leaves the same set everywhere: its seqs below the proven one.
 
 Threading: the network thread offers while the compute thread takes snapshots. Decoding and screening run
 outside the lock (the expensive part); the state is re-checked under the lock before the axpy, so two threads
@@ -324,9 +325,10 @@ class Replica:
             prepared = self._prepare(update)  # it passed every check when it merged, identically now
             if prepared.scaled is None:
                 return False
+            vv = self._vv.without(update.sender, update.seq)  # may raise (hole bound): before theta changes
             self._theta.add_(prepared.scaled)
             self._peak_bound = _peak(self._theta)
-            self._vv = self._vv.without(update.sender, update.seq)
+            self._vv = vv
             del self._merged_ids[update.sender][update.seq]
             self.stats["unmerged"] = self.stats.get("unmerged", 0) + 1
         logger.warning("merged update taken back sender=%s seq=%d", update.sender, update.seq)
@@ -344,10 +346,10 @@ class Replica:
             self._vv = version_vector
             self._peak_bound = _peak(self._theta)
             ready = self._buffer.drop_merged(version_vector)
-            for sender, ids in self._merged_ids.items():
-                # Ids of seqs the new state has not merged would misclassify their updates.
-                for seq in [seq for seq in ids if not version_vector.has(sender, seq)]:
-                    del ids[seq]
+            # The new theta was summed elsewhere (a donor, a peer we adopt, a checkpoint): which version of a
+            # slot it holds is not ours to know, so no id is kept (rule 3: such seqs read as DUPLICATE, and
+            # neither gossip's id digests nor `unmerge` may trust an id we merged before).
+            self._merged_ids.clear()
         merged: list[UpdateLike] = []
         for update in ready:
             merged.extend(self._merge_chain(update, now_s=self.clock())[1])

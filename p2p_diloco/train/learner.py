@@ -200,7 +200,8 @@ class Learner:
                 if not torch.is_tensor(value):
                     raise TypeError(f"inner optimizer state {index}.{name} is not a tensor: {type(value).__name__}")
                 tensors[f"inner.{index}.{name}"] = value.detach().to("cpu").contiguous()
-        meta = {"version_vector": vv.to_dict(), "last_seq": max(self.last_seq, vv.get(self.peer_id)),
+        meta = {"version_vector": vv.to_dict(), "version_vector_holes": vv.holes_dict(),
+                "last_seq": max(self.last_seq, vv.get(self.peer_id)),
                 "data": self.sampler.position(self.step), "numel": self.numel}
         return tensors, meta
 
@@ -214,7 +215,9 @@ class Learner:
                 raise ValueError(f"checkpoint tensor {key} is {tensors[key].dtype} {tuple(tensors[key].shape)}")
         if not bool(torch.isfinite(tensors["theta"]).all()):
             raise ValueError("checkpoint theta is not finite")
-        vv = VersionVector.from_dict(meta["version_vector"])
+        # Holes (skipped or taken-back seqs) must survive a restart: read as merged, a skipped update that turns
+        # up later would be a duplicate here and merged everywhere else. Older checkpoints have none.
+        vv = VersionVector.from_dict(meta["version_vector"], holes=meta.get("version_vector_holes"))
         last_seq, step, rng = meta["last_seq"], self.sampler.resume_step(meta["data"]), tensors["rng.cpu"]
         if type(last_seq) is not int or last_seq < 0:
             raise ValueError(f"bad last_seq {last_seq!r}")
