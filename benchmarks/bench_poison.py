@@ -70,9 +70,10 @@ def run_one(job: tuple[str, str, dict, dict]) -> dict:
     mode, factor = ATTACKS.get("nan" if attack == REWEIGHED else attack, (None, 1.0))
     adversaries = [Adversary(hostile, mode, factor=factor)] if mode is not None else []
     t0 = time.time()
-    kind = ShardLostSwarm if attack == SHARD_LOST else HostileSwarm
-    swarm = kind(spec, sim, _CORPUS["corpus"], adversaries, weigh_banned=attack != REWEIGHED)
-    swarm.lost_shard = hostile
+    if attack == SHARD_LOST:
+        swarm = ShardLostSwarm(spec, sim, _CORPUS["corpus"], lost_shard=hostile)
+    else:
+        swarm = HostileSwarm(spec, sim, _CORPUS["corpus"], adversaries, weigh_banned=attack != REWEIGHED)
     result = swarm.run()
     summary = swarm.honest_summary(result)
     return {"attack": attack, "defence": defence, "wall_s": time.time() - t0, "sim_time_s": result.sim_time_s,
@@ -83,7 +84,9 @@ def run_one(job: tuple[str, str, dict, dict]) -> dict:
 class ShardLostSwarm(HostileSwarm):
     """No attacker; peer `lost_shard` trains on the next peer's shard, so shard `lost_shard` is seen by nobody."""
 
-    lost_shard = -1
+    def __init__(self, spec: RunSpec, sim: SimConfig, corpus, *, lost_shard: int) -> None:  # noqa: ANN001
+        self.lost_shard = lost_shard
+        super().__init__(spec, sim, corpus)
 
     def _shard_of(self, index: int) -> int:
         shard = super()._shard_of(index)

@@ -302,14 +302,7 @@ def test_hostile_requests_and_responses_are_refused(loop, members) -> None:
     wrong_run = make_update(run_id="other-run", spec_hash=SPEC.spec_hash(), seq=1, tau=0, samples=1, weight=0.5,
                             codec=CODEC.name, numel=NUMEL, identity=b_member.identity, payload=good.payload)
     served = [encode_update(wrong_run), b"garbage", encode_update(good)]
-
-    async def junk(request: bytes, caller: str):
-        decode_request(request, pull=True)
-        for data in list(served):
-            yield data
-
-    pull_name = f"p2p-diloco/{SPEC.run_id}/pull"
-    loop.run(rpc.serve(b_member.node.p2p, pull_name, junk, max_request_bytes=1 << 20, timeout_s=5))
+    pull_name = _serve_pull(loop, b_member, served)
     try:
         with gossiping(loop, [a_member], dataclasses.replace(config, anti_entropy_s=0.1)) as (a,):
             a.view[:] = [b_member.node.peer_id]

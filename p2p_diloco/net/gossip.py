@@ -251,10 +251,15 @@ class Gossip:
         request's vector is all merged here (claims of other pulls are not)."""
         replica = self.intake.replica
         ours = replica.version_vector
-        # Requests carry no holes, so the responder sees a window as contiguous: only hole-free ones compare.
-        senders = [s for s in wanted if not ours.holes(s) and id_window(wanted, s) == id_window(ours, s)]
-        if len(senders) > MAX_ID_DIGESTS:
-            senders = self._rng.sample(senders, MAX_ID_DIGESTS)
+        candidates = list(wanted)
+        self._rng.shuffle(candidates)  # with more senders than MAX_ID_DIGESTS, another subset each pull
+        senders: list[str] = []
+        for sender in candidates:  # on every pull: stop as soon as there are enough
+            # Requests carry no holes, so the responder sees a window as contiguous: only hole-free ones compare.
+            if not ours.holes(sender) and id_window(wanted, sender) == id_window(ours, sender):
+                senders.append(sender)
+                if len(senders) == MAX_ID_DIGESTS:
+                    break
         return summarize_ids(wanted, replica.recent_ids, senders)
 
     def _decode(self, request: bytes, *, pull: bool, caller: str) -> Request:

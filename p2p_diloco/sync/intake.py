@@ -177,7 +177,9 @@ class Intake:
         if not versions:
             return
         slot, vv = versions[0].seq, self.replica.version_vector
-        later = [self.store.get(sender, seq) for seq in range(vv.get(sender), slot, -1) if vv.has(sender, seq)] \
+        # Only seqs whose id the replica still knows can be taken back: the newest max_ids_per_sender.
+        lowest = max(slot, vv.get(sender) - self.replica.max_ids_per_sender)
+        later = [self.store.get(sender, seq) for seq in range(vv.get(sender), lowest, -1) if vv.has(sender, seq)] \
             if self.store is not None else []
         missing = sum(1 for u in later if u is None)
         for update in [*(u for u in later if u is not None), *versions]:  # newest first: V shrinks from the top
