@@ -190,12 +190,14 @@ def fixtures() -> Fixtures:
     updates, envelopes, signed_inputs = _update_seeds(sender, forger)
     manifests, responses, bodies = _manifest_seeds(donor)
     records, record_seeds = _record_seeds(sender)
-    vectors = [VersionVector(), VersionVector({sender.peer_id: 4, donor.peer_id: 1})]
+    vectors = [VersionVector(), VersionVector({sender.peer_id: 4, donor.peer_id: 1}),
+               VersionVector({sender.peer_id: 6}, holes={sender.peer_id: [2, 3]})]
     requests = [b"\x01" + encode_request(v, 8) for v in vectors] + [b"\x00" + encode_request(v) for v in vectors]
     requests += [b"\x01" + encode_request(vectors[1], 8, ids={sender.peer_id: "0123456789abcdef"}),
                  b"\x01" + encode_request(vectors[1], 8, ids={donor.peer_id: "not hex digits!!"}),
                  b"\x01" + encode_request(vectors[1]), b"\x01" + encode_request(vectors[1], 0),
-                 b"\x00" + msgpack.packb({"vv": {sender.peer_id: -1}})]
+                 b"\x00" + msgpack.packb({"vv": {sender.peer_id: -1}}),
+                 b"\x00" + msgpack.packb({"vv": {sender.peer_id: 3}, "holes": {sender.peer_id: [3]}})]
     seeds = {"envelope": envelopes, "envelope_signed": signed_inputs, "codec": _codec_seeds(),
              "manifest": responses, "manifest_signed": bodies, "gossip_request": requests,
              "peer_record": record_seeds}

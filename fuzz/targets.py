@@ -16,7 +16,8 @@ Contracts checked:
   manifest         parse_manifest raises only DonorError; what it accepts is one of the donor's valid manifests.
   manifest_signed  a hostile donor: the harness signs whatever manifest the fuzzer made; accepted manifests must
                    match run, spec, donor, numel, chunk layout, digests and a valid version vector.
-  gossip_request   parse_request raises only RpcError and returns a valid VersionVector, limit and ids digests.
+  gossip_request   parse_request raises only RpcError and returns a valid VersionVector (holes too), limit and
+                   ids digests.
   peer_record      decode_peer_record never raises, and PeerRecordValidator agrees with it; unsigned values are
                    accepted only if they are one of the owner's signed records.
 """
@@ -228,6 +229,7 @@ def _check_vector(vv: VersionVector) -> None:
     for sender, seq in vv.items():
         assert type(sender) is str and 0 < len(sender) <= MAX_SENDER_LEN
         assert type(seq) is int and 0 < seq <= MAX_SEQ
+        assert all(type(h) is int and 1 <= h < seq for h in vv.holes(sender))
 
 
 def gossip_request(data: bytes) -> str:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 from net_helpers import LoopThread, Member, start_member
@@ -59,19 +60,6 @@ class Peer:
     @property
     def vv(self) -> VersionVector:
         return self.replica.version_vector
-
-
-@pytest.fixture(scope="module")
-def members(loop, tmp_path_factory):
-    """Three nodes: A first, B and C bootstrapped from A."""
-    out: list[Member] = []
-    try:
-        for _ in range(3):
-            out.append(loop.run(start_member(tmp_path_factory, tuple(out[0].node.visible_maddrs()) if out else ())))
-        yield out
-    finally:
-        for m in out:
-            loop.run(m.node.shutdown(), timeout_s=30)
 
 
 def _decode(update: Any) -> torch.Tensor:
@@ -322,6 +310,13 @@ def test_request_codec_round_trip_and_bounds() -> None:
     vv = VersionVector({Identity.generate().peer_id: 3, Identity.generate().peer_id: 1})
     assert decode_request(encode_request(vv, limit=7), pull=True) == (vv, 7)
     assert decode_request(encode_request(vv), pull=False)[0] == vv
+    sender = next(iter(vv))
+    holed = VersionVector({sender: 5}, holes={sender: [2, 4]})
+    for pull in (True, False):  # holes travel in both: the responder serves them, or repairs
+        request = decode_request(encode_request(holed, limit=3 if pull else None), pull=pull)[0]
+        assert request == holed and request.holes(sender) == {2, 4}
+    with pytest.raises(rpc.RpcError, match="malformed"):  # a hole at or above its entry
+        decode_request(msgpack.packb({"vv": {sender: 2}, "holes": {sender: [2]}}), pull=False)
     for bad, pull in ((encode_request(vv), True), (encode_request(vv, limit=0), True),
                       (encode_request(vv, limit=2), False), (b"\x00" * (2 << 20), False)):
         with pytest.raises(rpc.RpcError, match="malformed"):

@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from net_helpers import LoopThread, Member, start_member
+from net_helpers import LoopThread, Member
 
 from p2p_diloco.config import preset
 from p2p_diloco.net import rpc
@@ -41,19 +41,6 @@ SPEC = dataclasses.replace(preset("test"), run_id="statesync-test")
 SPEC_HASH = SPEC.spec_hash()
 NUMEL = 10_003  # 40_012 bytes: 10 chunks of 4096 bytes, the last one short
 CONFIG = StateSyncConfig(chunk_bytes=4096, parallel_chunks=3, timeout_s=5.0)
-
-
-@pytest.fixture(scope="module")
-def members(loop, tmp_path_factory):
-    """Joiner J (first) and donors A and B, bootstrapped from J."""
-    out: list[Member] = []
-    try:
-        for _ in range(3):
-            out.append(loop.run(start_member(tmp_path_factory, tuple(out[0].node.visible_maddrs()) if out else ())))
-        yield out
-    finally:
-        for m in out:
-            loop.run(m.node.shutdown(), timeout_s=30)
 
 
 def _replica(seed: int, numel: int = NUMEL) -> Replica:

@@ -251,3 +251,26 @@ def test_without_is_the_inverse_of_with_merged(merged: dict[str, set[int]], data
     assert vv.without(sender, seq).with_merged(sender, seq) == vv
     with pytest.raises(ValueError, match="not merged"):
         vv.without(sender, seq).without(sender, seq)
+
+
+def test_skipped_by_quorum_counts_our_merge_and_only_vectors_past_the_seq() -> None:
+    from p2p_diloco.sync.version_vector import skipped_by_quorum
+    merged = VersionVector({"a": 3})
+    skipped = VersionVector({"a": 1}).with_merged("a", 3)  # hole at a2
+    behind = VersionVector({"a": 1})  # not past a2: no vote
+    item = [("a", 2)]
+    assert skipped_by_quorum(item, [skipped]) == item  # a swarm of two: the skip wins
+    assert skipped_by_quorum(item, [skipped, merged]) == []  # a lone claim against us and another merger
+    assert skipped_by_quorum(item, [skipped, skipped, merged]) == item
+    assert skipped_by_quorum(item, [behind, behind]) == []
+    assert skipped_by_quorum(item, []) == []
+
+
+@given(st.lists(merged_sets, max_size=6), st.sampled_from(SENDERS), st.integers(1, 12))
+def test_skipped_by_quorum_is_a_majority_of_the_voters(others: list[dict[str, set[int]]], sender: str,
+                                                       seq: int) -> None:
+    from p2p_diloco.sync.version_vector import skipped_by_quorum
+    vectors = [build(m) for m in others]
+    skips = sum(1 for m in others if seq not in m.get(sender, set()) and max(m.get(sender, {0})) > seq)
+    merges = 1 + sum(1 for m in others if seq in m.get(sender, set()))
+    assert (skipped_by_quorum([(sender, seq)], vectors) == [(sender, seq)]) == (skips >= merges)

@@ -4,22 +4,24 @@ Protocol: two RPCs per run on the node's P2P replica; the caller's PeerID is aut
 read from a payload.
 
   announce  "p2p-diloco/<run_id>/announce"
-      request  = msgpack {"vv": {sender: seq}}        the announcer's version vector (<= MAX_VECTOR_BYTES)
+      request  = msgpack {"vv": {sender: seq}, "holes": {sender: [seq]}}   the announcer's version vector
+                 (<= MAX_VECTOR_BYTES); "holes", the seqs below an entry it skipped, only when it has any
       response = b""                                  an ack: the work happens later, in a pull
-      If the announcer holds anything our replica lacks (`VersionVector.missing_from`), we schedule a pull
-      from it.
+      If the announcer holds anything our replica lacks (`VersionVector.missing_from`, or one of our holes),
+      we schedule a pull from it.
 
   pull      "p2p-diloco/<run_id>/pull"
-      request  = msgpack {"vv": {sender: seq}, "limit": n, "ids": {sender: hex16}}   the requester's version
-                 vector, and for up to MAX_ID_DIGESTS senders a digest of the update ids it merged for its
-                 newest ID_WINDOW seqs of that sender (gossip_messages.ids_digest; "ids" may be absent)
+      request  = msgpack {"vv": {sender: seq}, "holes": {sender: [seq]}, "limit": n, "ids": {sender: hex16}}
+                 the requester's version vector (holes as in an announce), and for up to MAX_ID_DIGESTS senders
+                 a digest of the update ids it merged for its newest ID_WINDOW seqs of that sender
+                 (gossip_messages.ids_digest; "ids" may be absent)
       response = a stream, each chunk one encoded update (`encode_update`, <= `Intake.max_bytes`): first, for
                  every sender whose digest differs from ours over the same seqs, the updates we hold for those
                  seqs (the requester merged other versions of them: an equivocation split between us, which
                  vectors cannot show; its intake proves it, bans and takes its version back, and the proof
                  reaches us through the evidence relay); then the updates the responder holds in its store with
-                 seq > vv[sender] (`UpdateStore.missing_for`); at most min(n, pull_max_updates) in all, the
-                 lowest missing seq of every sender first.
+                 seq > vv[sender] or in its holes (`UpdateStore.missing_for`); at most min(n, pull_max_updates)
+                 in all, the lowest missing seq of every sender first.
       A full batch means more may remain, so the requester pulls again (at most MAX_PULL_ROUNDS rounds).
       The request also tells the responder what the requester holds: if that is anything the responder
       lacks, the responder schedules a pull back, so every exchange runs both ways.
@@ -32,7 +34,11 @@ Rules:
     vector (from their announce or pull request; vectors only grow) already holds all of ours.
   - At most one pull in flight per remote and `max_concurrent_pulls` in all; announces that arrive meanwhile
     are folded into the remote's pending pull (their vectors merged), at most MAX_WANTED_PEERS of them.
-  - Anti-entropy: every `anti_entropy_s` (jittered +-50%), pull from one random peer whatever it holds.
+  - Anti-entropy: every `anti_entropy_s` (jittered +-50%), pull from one random peer whatever it holds, and
+    let the intake skip gaps that waited out `gap_timeout_s` (a quiet swarm brings nothing that would).
+  - Repair (DESIGN.md section 4): a remote's vector whose holes name updates we merged and no longer hold
+    (`UpdateStore.unservable_for`) goes to `on_unservable(peer, vector, items)`; pulls can never make our
+    replicas equal then (net/repair.py adopts a state that skipped them).
   - Every call has `rpc_timeout_s` (per response chunk for pulls), and a pull response must keep the guard's
     minimum pace, so a never-ending trickle is cut. A failure is counted (by reason, against the remote) and
     logged at most once per peer per `log_interval_s`; nothing waits for the whole swarm (announces are
@@ -110,13 +116,16 @@ class Gossip:
 
     def __init__(self, node: SwarmNode, run_id: str, intake: Intake, store: UpdateStore, config: GossipConfig,
                  peers: Callable[[], Sequence[str]], *, guard: Any = None,
-                 on_evidence: Callable[[bytes, bytes], None] | None = None):
+                 on_evidence: Callable[[bytes, bytes], None] | None = None,
+                 on_unservable: Callable[[str, VersionVector, list[tuple[str, int]]], None] | None = None):
         """`peers` returns the live peer ids of the run (e.g. from the DHT records); ours is filtered out.
         `guard` (a PeerGuard) enforces access and rate limits; `on_evidence(first, second)` gets the two signed
-        envelopes of each equivocation we find."""
+        envelopes of each equivocation we find; `on_unservable(peer, its vector, items)` the updates we merged,
+        it skipped and we cannot serve (called on the loop; it must return at once)."""
         self.node = node
         self.guard = guard
         self.on_evidence = on_evidence
+        self.on_unservable = on_unservable
         self.run_id = run_id
         self.intake = intake
         self.store = store
@@ -255,7 +264,7 @@ class Gossip:
         self._rng.shuffle(candidates)  # with more senders than MAX_ID_DIGESTS, another subset each pull
         senders: list[str] = []
         for sender in candidates:  # on every pull: stop as soon as there are enough
-            # Requests carry no holes, so the responder sees a window as contiguous: only hole-free ones compare.
+            # Only hole-free windows compare: a responder that filled a hole since would see another window.
             if not ours.holes(sender) and id_window(wanted, sender) == id_window(ours, sender):
                 senders.append(sender)
                 if len(senders) == MAX_ID_DIGESTS:
@@ -284,9 +293,19 @@ class Gossip:
         self._known[peer] = remote  # replaced, not merged: a peer restarted from a checkpoint may hold less
         while len(self._known) > MAX_WANTED_PEERS:
             self._known.popitem(last=False)
-        if self._running and peer != self.node.peer_id and self._lacks(self._vector(), remote) \
-                and (self.guard is None or self.guard.is_member(peer)):
+        member = self.guard is None or self.guard.is_member(peer)
+        if not (self._running and member and peer != self.node.peer_id):
+            return
+        if self._lacks(self._vector(), remote):
             self._want_pull(peer, remote, force=False)
+        if self.on_unservable is not None and remote.n_holes:
+            items = self.store.unservable_for(self._vector(), remote)
+            if items:
+                self.on_unservable(peer, remote, items)
+
+    def known_vectors(self) -> dict[str, VersionVector]:
+        """The last vector each remote sent us (announce or pull request), at most MAX_WANTED_PEERS of them."""
+        return dict(self._known)
 
     def _want_pull(self, peer: str, remote: VersionVector, *, force: bool) -> None:
         pending = self._wanted.pop(peer, None)
@@ -445,6 +464,7 @@ class Gossip:
         while self._running:
             await asyncio.sleep(self.config.anti_entropy_s * self._rng.uniform(0.5, 1.5))
             try:
+                self.intake.expire_gaps()
                 targets = self._pick(1, ())
                 if targets:
                     self._want_pull(targets[0], VersionVector(), force=True)
@@ -468,10 +488,14 @@ class Gossip:
         return self.guard.limits.min_stream_bytes_per_s if self.guard is not None else 0.0
 
     def _lacks(self, ours: VersionVector, remote: VersionVector) -> bool:
-        """`remote` holds updates `ours` lacks, of senders we have not banned: a banned sender's seqs are never
-        served, and a replica that took back an equivocation holds fewer of them than one that could not."""
+        """`remote` holds updates `ours` lacks (above our entries, or in our holes: merged late), of senders we
+        have not banned: a banned sender's seqs are never served, and a replica that took back an equivocation
+        holds fewer of them than one that could not."""
         banned = self.intake.replica.banned
-        return any(sender not in banned for sender in ours.missing_from(remote))
+        if any(sender not in banned for sender in ours.missing_from(remote)):
+            return True
+        return any(remote.has(sender, seq) for sender in ours.holes_dict() if sender not in banned
+                   for seq in ours.holes(sender))
 
     def _vector(self) -> VersionVector:
         # Vectors are immutable and swapped whole by the replica: reading one needs no lock.

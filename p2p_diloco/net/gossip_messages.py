@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from p2p_diloco.net import rpc
-from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.sync.version_vector import MAX_HOLES, VersionVector
 from p2p_diloco.wire.envelope import REJECT_REASONS
 
 MAX_VECTOR_BYTES = 1 << 20
@@ -114,8 +114,11 @@ class Request:
 
 def encode_request(vv: VersionVector, limit: int | None = None, ids: dict[str, str] | None = None) -> bytes:
     """An announce (no limit) or a pull request (with the most updates we want back, and optionally the
-    digests of the update ids we merged lately, so the responder can tell us where it holds other ones)."""
+    digests of the update ids we merged lately, so the responder can tell us where it holds other ones).
+    Either carries the vector's holes when it has any."""
     message: dict[str, Any] = {"vv": vv.to_dict()}
+    if vv.n_holes:  # the seqs it skipped: a responder that holds one serves it, one that cannot may repair
+        message["holes"] = vv.holes_dict()
     if limit is not None:
         message["limit"] = limit
     if ids:
@@ -129,11 +132,13 @@ def parse_request(data: bytes, *, pull: bool) -> Request:
         if len(data) > MAX_VECTOR_BYTES:
             raise ValueError(f"{len(data)} bytes, limit {MAX_VECTOR_BYTES}")
         message = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=0,
-                                  max_array_len=0)
+                                  max_array_len=MAX_HOLES)  # arrays: the holes' seq lists only
         required = {"vv", "limit"} if pull else {"vv"}
-        if not isinstance(message, dict) or not required <= set(message) <= required | ({"ids"} if pull else set()):
-            raise ValueError("expected a map with keys " + ("vv, limit (and ids)" if pull else "vv"))
-        vv = VersionVector.from_dict(message["vv"])
+        optional = {"holes", "ids"} if pull else {"holes"}
+        if not isinstance(message, dict) or not required <= set(message) <= required | optional:
+            raise ValueError("expected a map with keys " + ("vv, limit" if pull else "vv") + " (and holes"
+                             + (", ids)" if pull else ")"))
+        vv = VersionVector.from_dict(message["vv"], holes=message.get("holes"))
         limit = message.get("limit", 0)
         if type(limit) is not int or (pull and limit < 1):
             raise ValueError(f"limit must be an int >= 1, got {limit!r:.40}")

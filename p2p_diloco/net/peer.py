@@ -539,6 +539,7 @@ class Peer:
                  "duplicates": counters.get("duplicate", 0), "seq": self.learner.last_seq,
                  "equivocations": self.learner.replica.stats.get("equivocation", 0),
                  "banned": sorted(self.learner.replica.banned),
+                 "holes": vv.n_holes, "repairs": list(self.network.repairs),
                  "utilization": self.last.get("utilization", 0.0)}  # while training (lingering is not idling)
         if self.config.out_dir:
             theta_path, vv_path = save_state(self.config.out_dir, theta, vv,

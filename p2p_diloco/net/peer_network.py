@@ -1,9 +1,9 @@
 """The network side of one peer: everything that runs on its asyncio loop (DESIGN.md section 5).
 
 One loop in a daemon thread (`NetLoop`, net/netloop.py) runs the SwarmNode, Gossip, the SnapshotServer, the
-EvidenceRelay, the admission check (`hello`) and two small tasks: announcing this peer's signed record and
-refreshing the list of live peers. The compute thread talks to it in two ways only, neither of which waits on
-the network:
+EvidenceRelay, the replica Repair (net/repair.py, fed by gossip), the admission check (`hello`) and small
+tasks: announcing this peer's signed record, refreshing the list of live peers and meeting lost peers again.
+The compute thread talks to it in two ways only, neither of which waits on the network:
 
 - it hands over finished updates with `asyncio.run_coroutine_threadsafe(network.publish(u), loop)`;
 - it reads `peers` and `counters`, plain dicts the loop replaces whole (never mutates) every tick, and
@@ -77,6 +77,9 @@ MEET_AGAIN_EVERY_S = (5.0, 30.0)
 farewell (SwarmNode.meet_again): a restarted bootstrap knows nobody until peers call it, and Kademlia never
 calls a node again once a request to it failed (the other side of a partition)."""
 MAX_MEET_AGAIN = 16
+REPAIR_GRACE_ANTI_ENTROPIES = 3.0
+"""An update we merged and cannot serve must stay skipped by others for this many anti-entropy periods before
+we adopt a skipping peer's state (net/repair.py): time for a peer that still holds it to fill their holes."""
 _NOT_REJECTIONS = ("merged", "buffered")
 
 
@@ -104,8 +107,8 @@ def check_spec(theirs: tuple[dict, str] | None, spec: RunSpec) -> None:
 
 
 class PeerNetwork:
-    """SwarmNode + spec handshake + admission + state sync + Gossip + SnapshotServer + EvidenceRelay +
-    announce/refresh, on one loop."""
+    """SwarmNode + spec handshake + admission + state sync + Gossip + SnapshotServer + EvidenceRelay + Repair
+    + announce/refresh, on one loop."""
 
     def __init__(self, spec: RunSpec, identity: Identity, identity_path: str, node_config: NodeConfig, *,
                  gossip_config: Any, sync_config: Any, record_ttl_s: float = DEFAULT_RECORD_TTL_S,
@@ -134,6 +137,8 @@ class PeerNetwork:
         self.gossip: Any = None
         self.server: Any = None
         self.relay: Any = None
+        self.repair: Any = None
+        self.repairs: list[dict] = []  # one summary per adoption (net/repair.py), appended on the loop
         self._services: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self._announce_wanted = False
@@ -249,6 +254,7 @@ class PeerNetwork:
         from p2p_diloco.net.evidence_relay import EvidenceRelay
         from p2p_diloco.net.gossip import Gossip
         from p2p_diloco.net.guard import serve_hello
+        from p2p_diloco.net.repair import Repair
         from p2p_diloco.net.snapshot_server import SnapshotServer
 
         self.learner, self.local = learner, {"state": "training"}
@@ -258,8 +264,14 @@ class PeerNetwork:
                                    fanout=cfg.fanout, timeout_s=cfg.rpc_timeout_s)
         await self.relay.start()
         self._services.append(self.relay)
-        self.gossip = Gossip(self.node, self.run_id, learner.intake, UpdateStore(cfg.retained_bytes), cfg,
-                             peers=self._other_peer_ids, guard=self.guard, on_evidence=self.relay.publish)
+        store = UpdateStore(cfg.retained_bytes)
+        self.repair = Repair(self.node, self.run_id, self.spec_hash, learner.replica, store, self.sync_config,
+                             known=lambda: self.gossip.known_vectors(), members=self._other_peer_ids,
+                             guard=self.guard, grace_s=REPAIR_GRACE_ANTI_ENTROPIES * cfg.anti_entropy_s,
+                             on_repaired=self._repaired)
+        self._services.append(self.repair)
+        self.gossip = Gossip(self.node, self.run_id, learner.intake, store, cfg, peers=self._other_peer_ids,
+                             guard=self.guard, on_evidence=self.relay.publish, on_unservable=self.repair.consider)
         await self.gossip.start()
         self._services.append(self.gossip)
         if self.sync_donor:
@@ -274,6 +286,10 @@ class PeerNetwork:
         self._tasks = [asyncio.create_task(self._announce_loop(), name="announce"),
                        asyncio.create_task(self._refresh_loop(), name="refresh-peers"),
                        asyncio.create_task(self._meet_again_loop(), name="meet-again")]
+
+    def _repaired(self, summary: dict) -> None:
+        self.repairs = [*self.repairs[-63:], summary]  # replaced whole: the compute thread reads it
+        self.request_announce()
 
     def _other_peer_ids(self) -> list[str]:
         me = self.node.peer_id if self.node else ""
@@ -432,7 +448,7 @@ class PeerNetwork:
         counts = dict(self.learner.intake.counts)
         out = {"merged": counts.get("merged", 0), "duplicate": counts.get("duplicate", 0),
                "rejected": sum(n for k, n in counts.items() if k not in ("merged", "buffered", "duplicate"))}
-        for service in (self.gossip, self.relay):
+        for service in (self.gossip, self.relay, self.repair):
             stats = getattr(service, "stats", None) or {}
             out.update({k: int(v) for k, v in dict(stats).items() if isinstance(v, (int, float))})
         out.setdefault("bytes_sent", 0)

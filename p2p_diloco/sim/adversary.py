@@ -30,6 +30,7 @@ from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.result import SimResult, divergence
 from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
 from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.version_vector import skipped_by_quorum
 from p2p_diloco.train.data import Corpus
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
@@ -157,14 +158,17 @@ class HostileSwarm(AsyncSwarm):
 
     def _repair(self) -> None:
         """DESIGN.md section 4, "Repair": a replica that merged an update another skipped, and can no longer
-        serve it, adopts that peer's state and re-merges what it holds beyond it."""
+        serve it, adopts that peer's state and re-merges what it holds beyond it, if at least as many peers
+        skipped it as merged it (net/repair.py's rule; the simulator knows every vector and needs no grace)."""
         alive = self._alive()
         for peer in alive:
+            vectors = [p.learner.replica.version_vector for p in alive if p is not peer]
             for other in alive:
                 if other is peer:
                     continue
                 local, remote = peer.learner.replica.version_vector, other.learner.replica.version_vector
-                if peer.store.unservable_for(local, remote):
+                items = peer.store.unservable_for(local, remote)
+                if items and skipped_by_quorum(items, vectors):
                     theta, vv = other.learner.replica.snapshot()
                     held = peer.store.missing_for(vv, limit=1 << 30)
                     peer.learner.replica.adopt(theta, vv, held)

@@ -355,6 +355,12 @@ class Replica:
             merged.extend(self._merge_chain(update, now_s=self.clock())[1])
         return merged
 
+    def max_step(self) -> float:
+        """Bound on how far one merge moves any coordinate of theta (outer_lr * max_weight * the policy's
+        ceiling); inf when the RunSpec sets no bound. Two replicas whose merged sets differ by d updates
+        differ by at most d times this in every coordinate (the repair checks a peer's state against it)."""
+        return self.outer_lr * self.max_weight * self.policy.step_ceiling
+
     def adopt(self, theta: Tensor, version_vector: VersionVector, held: Iterable[UpdateLike]) -> list[UpdateLike]:
         """The repair of rule 6: take a peer's state, then re-merge the updates we hold that it lacks
         (`held`, e.g. `store.missing_for(version_vector, ...)`). Returns every update merged."""

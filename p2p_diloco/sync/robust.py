@@ -173,6 +173,12 @@ class MergePolicy:
         """True if every replica shapes a given payload identically (all modes but centered_clip)."""
         return self.window is None
 
+    @property
+    def step_ceiling(self) -> float:
+        """Largest |coordinate| of a payload as merged (after `screen` and `shape`); inf without a bound.
+        CenteredClip moves a payload toward a mean of payloads inside the same box, so it stays inside."""
+        return min(self.reject_above, self.clip_at)
+
     def screen(self, delta: Tensor) -> str | None:
         """'norm_bound' if a coordinate of the decoded payload is above the bound; None if it passes."""
         if math.isfinite(self.reject_above) and _peak(delta) > self.reject_above:

@@ -317,3 +317,20 @@ def unservable_merges(local: VersionVector, remote: VersionVector,
     for sender, seqs in remote._holes.items():
         out.extend((sender, seq) for seq in sorted(seqs) if local.has(sender, seq) and not holds(sender, seq))
     return out
+
+
+def skipped_by_quorum(items: Iterable[tuple[str, int]], vectors: Iterable[VersionVector]) -> list[tuple[str, int]]:
+    """The `items` (updates we merged and cannot serve) that at least as many of `vectors` (the other peers'
+    latest, as far as we know them) skipped as merged them, counting our own merge: those the repair may give up.
+
+    A vector votes on `(sender, seq)` only once its entry is past `seq`: "skipped" if `seq` is one of its holes,
+    "merged" if it holds it. A lone peer that claims a hole cannot make a swarm whose other members merged the
+    update adopt its state; in a swarm of two, the skip wins (the repair must go one way to end)."""
+    vectors = list(vectors)
+    out = []
+    for sender, seq in items:
+        skipped = sum(1 for v in vectors if seq in v.holes(sender))
+        merged = 1 + sum(1 for v in vectors if v.has(sender, seq))
+        if skipped >= merged:
+            out.append((sender, seq))
+    return out

@@ -171,8 +171,10 @@ class Learner:
         self.last_seq = update.seq
         outcome, _ = self.replica.offer(update)
         # Our own next seq always merges, unless a restart left a gap in our own seqs that no journal entry
-        # could fill (it waits for gossip to bring the missing ones); anything else is a bug.
-        own_gap = update.seq > own_merged + 1
+        # could fill, or a repair (net/repair.py) adopted a state without some of our updates that our store no
+        # longer held (it waits for gossip to bring the missing ones); anything else is a bug. Read again: the
+        # repair runs on the network thread and may have moved V since `own_merged` was read.
+        own_gap = update.seq > min(own_merged, self.replica.version_vector.get(self.peer_id)) + 1
         if outcome is not MergeOutcome.MERGED and not (outcome is MergeOutcome.BUFFERED and own_gap):
             raise RuntimeError(f"own update not merged: {outcome}")
         self.history.append({"step": self.step, "seq": update.seq, "tau": tau, "weight": weight,

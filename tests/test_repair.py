@@ -1,0 +1,186 @@
+"""Replica repair on real SwarmNodes (127.0.0.1, port 0): issue 4's second trap, DESIGN.md section 4.
+
+Sender S published seqs 1-3. Peer A merged all three, but no longer holds S#2 (it restarted, or evicted it);
+peers B and C never got S#2, waited out the gap and skipped it (a hole), then merged S#3. Vectors now differ
+by S#2 and no pull can ever fix that. Each test builds that state by hand, starts Gossip + SnapshotServer +
+Repair on every peer (as `PeerNetwork.serve` does) and asserts what the swarm does: A adopts a skipping peer's
+state (and re-merges what it holds beyond it), unless most peers it knows merged S#2 as it did, or the
+offered state is further from A's than the differing updates could move it. Holes travel in gossip requests,
+so a peer that still holds a skipped update serves it, and the skippers merge it late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from net_helpers import LoopThread, Member
+from test_gossip import NUMEL, SPEC, _replica, _updates, wait_until
+
+from p2p_diloco.net.gossip import Gossip, GossipConfig
+from p2p_diloco.net.guard import PeerGuard
+from p2p_diloco.net.policy import RateLimitConfig
+from p2p_diloco.net.repair import Repair
+from p2p_diloco.net.snapshot_server import SnapshotServer
+from p2p_diloco.net.statesync import StateSyncConfig
+from p2p_diloco.sync.intake import Intake
+from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.wire.envelope import OuterUpdate
+from p2p_diloco.wire.identity import Identity
+
+pytestmark = pytest.mark.timeout(120)
+
+GOSSIP = GossipConfig(anti_entropy_s=3600.0, rpc_timeout_s=5)  # no anti-entropy: each test triggers its pulls
+SYNC = StateSyncConfig(snapshot_reuse_s=0.0, timeout_s=10.0)
+
+
+@dataclasses.dataclass
+class Unit:
+    """One learner unit's network side with repair: what PeerNetwork.serve starts."""
+
+    member: Member
+    replica: Replica
+    intake: Intake
+    store: UpdateStore
+    guard: PeerGuard
+    gossip: Gossip | None = None
+    server: SnapshotServer | None = None
+    repair: Repair | None = None
+
+    @property
+    def vv(self) -> VersionVector:
+        return self.replica.version_vector
+
+    @property
+    def peer_id(self) -> str:
+        return self.member.node.peer_id
+
+
+def unit(member: Member) -> Unit:
+    replica = _replica()
+    intake = Intake(SPEC, NUMEL, replica)
+    guard = PeerGuard(SPEC.run_id, self_id=member.node.peer_id, limits=RateLimitConfig())
+    return Unit(member, replica, intake, UpdateStore(GOSSIP.retained_bytes), guard)
+
+
+def merge_all(u: Unit, updates: list[OuterUpdate], *, keep: bool = True) -> None:
+    """Merge (in order) as if pulled; `keep`: also into the store, to serve."""
+    for update in updates:
+        outcome, _ = u.replica.offer(update)
+        assert outcome.value in ("merged", "buffered"), outcome
+        if keep:
+            u.store.add(update)
+
+
+def skip_gap(u: Unit) -> None:
+    """The gap timeout passes with nobody serving the missing seq: the replica skips it."""
+    u.intake.expire_gaps(now_s=u.replica.clock() + SPEC.defence.gap_timeout_s + 1)
+
+
+@contextlib.contextmanager
+def serving(loop: LoopThread, units: list[Unit], grace_s: float = 0.0) -> Iterator[list[Unit]]:
+    everyone = [u.peer_id for u in units]
+    try:
+        for u in units:
+            others = [pid for pid in everyone if pid != u.peer_id]
+            u.repair = Repair(u.member.node, SPEC.run_id, SPEC.spec_hash(), u.replica, u.store, SYNC,
+                              known=lambda u=u: u.gossip.known_vectors(), members=lambda o=others: o, guard=u.guard,
+                              grace_s=grace_s, cooldown_s=0.0)
+            u.gossip = Gossip(u.member.node, SPEC.run_id, u.intake, u.store, GOSSIP, peers=lambda o=others: o,
+                              guard=u.guard, on_unservable=u.repair.consider)
+            u.server = SnapshotServer(u.member.node, SPEC.run_id, SPEC.spec_hash(), u.replica, u.member.identity,
+                                      SYNC, guard=u.guard)
+            loop.run(u.gossip.start())
+            loop.run(u.server.start())
+        yield units
+    finally:
+        for u in units:
+            for service in (u.repair, u.gossip, u.server):
+                if service is not None:
+                    loop.run(service.stop(), timeout_s=30)
+
+
+def the_trap(members: list[Member], *, c_merged: bool) -> tuple[list[Unit], list[OuterUpdate], list[OuterUpdate]]:
+    """A merged S#1-3 but holds only S#1 and S#3; B skipped S#2; C like A (`c_merged`) or like B. Everyone
+    merged H#1-2 of an honest sender. Returns the units, S's updates and H's."""
+    s_updates = _updates(Identity.generate(), 3, seed=80)
+    h_updates = _updates(Identity.generate(), 2, seed=81)
+    a, b, c = (unit(m) for m in members)
+    merge_all(a, s_updates[:1] + h_updates)
+    merge_all(a, s_updates[1:2], keep=False)  # merged, then lost with a restart or an eviction
+    merge_all(a, s_updates[2:])
+    for u in (b, c):
+        if u is c and c_merged:
+            merge_all(c, s_updates[:1] + h_updates)
+            merge_all(c, s_updates[1:2], keep=False)
+            merge_all(c, s_updates[2:])
+            continue
+        merge_all(u, s_updates[:1] + [s_updates[2]] + h_updates)  # S#3 waits for S#2...
+        skip_gap(u)  # ...which never comes
+        assert s_updates[1].seq in u.vv.holes(s_updates[1].sender)
+    return [a, b, c], s_updates, h_updates
+
+
+def test_a_replica_that_merged_what_nobody_can_serve_adopts_a_skipping_peers_state(loop, members) -> None:
+    (a, b, c), s_updates, _ = the_trap(members, c_merged=False)
+    a_only = _updates(Identity.generate(), 1, seed=82)  # A also holds an update nobody else has yet
+    merge_all(a, a_only)
+    assert a.vv != b.vv and b.vv == c.vv
+    with serving(loop, [a, b, c]):
+        loop.run(c.gossip.request_pull(a.peer_id))  # what anti-entropy does every few seconds: A sees C's holes
+        wait_until(lambda: a.repair.stats["repairs"] == 1, 30, "A to adopt a skipping peer's state")
+        # A re-merged its own extra update on top, and gossip spreads it: every replica ends equal, without S#2.
+        loop.run(b.gossip.request_pull(a.peer_id))
+        loop.run(c.gossip.request_pull(a.peer_id))
+        wait_until(lambda: a.vv == b.vv == c.vv, 30, "the three vectors to meet")
+        sender, seq = s_updates[1].sender, s_updates[1].seq
+        assert seq in a.vv.holes(sender) and a.vv.has(a_only[0].sender, 1)
+        for u in (b, c):
+            torch.testing.assert_close(u.replica.theta, a.replica.theta, rtol=0, atol=1e-6)
+        assert a.repair.stats["repairs_refused"] == 0 and a.repair.stats["repairs_outvoted"] == 0
+        assert b.repair.stats["repair_attempts"] == c.repair.stats["repair_attempts"] == 0  # the skippers never yield
+
+
+def test_a_lone_claim_of_a_skip_does_not_make_two_mergers_adopt(loop, members) -> None:
+    (a, b, c), s_updates, _ = the_trap(members, c_merged=True)
+    before = a.replica.theta.clone()
+    with serving(loop, [a, b, c]):
+        loop.run(c.gossip.request_pull(a.peer_id))  # A learns that C merged S#2 too
+        wait_until(lambda: c.peer_id in a.gossip.known_vectors(), 15, "A to see C's vector")
+        loop.run(b.gossip.request_pull(a.peer_id))  # B claims the skip
+        wait_until(lambda: a.repair.stats["repairs_outvoted"] >= 1, 15, "A to count the votes")
+        assert a.repair.stats["repair_attempts"] == 0
+        assert a.vv.has(s_updates[1].sender, s_updates[1].seq)
+        torch.testing.assert_close(a.replica.theta, before, rtol=0, atol=0)
+
+
+def test_a_snapshot_further_than_the_differing_updates_allow_is_refused(loop, members) -> None:
+    (a, b, c), _, _ = the_trap(members, c_merged=False)
+    assert 0 < a.replica.max_step() < 1.0
+    with b.replica.lock:
+        b.replica.theta[7] += 100 * a.replica.max_step()  # B's state is not what its vector says
+    before, vv_before = a.replica.theta.clone(), a.vv
+    with serving(loop, [a, b]):
+        loop.run(b.gossip.request_pull(a.peer_id))
+        wait_until(lambda: a.repair.stats["repairs_refused"] == 1, 30, "A to refuse B's snapshot")
+        assert a.vv == vv_before and a.repair.stats["repairs"] == 0
+        torch.testing.assert_close(a.replica.theta, before, rtol=0, atol=0)
+        assert a.guard.is_penalized(b.peer_id)
+
+
+def test_a_peer_that_still_holds_a_skipped_update_serves_it_and_the_holes_fill(loop, members) -> None:
+    (a, b, c), s_updates, h_updates = the_trap(members, c_merged=False)
+    a.store.add(s_updates[1])  # this time A kept S#2
+    with serving(loop, [a, b, c], grace_s=3600.0):
+        for u in (b, c):
+            loop.run(u.gossip.request_pull(a.peer_id))  # the request names the hole; A serves it
+        wait_until(lambda: a.vv == b.vv == c.vv, 30, "B and C to merge S#2 late")
+        assert a.vv.n_holes == 0 and b.replica.stats["late_merged"] == 1
+        for u in (b, c):
+            torch.testing.assert_close(u.replica.theta, a.replica.theta, rtol=0, atol=1e-6)
+        assert a.repair.stats["repair_attempts"] == 0
