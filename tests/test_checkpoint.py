@@ -454,3 +454,24 @@ def test_holes_survive_a_checkpoint(identity: Identity, corpus) -> None:
     b = learner(identity, corpus)
     b.load_state_dict(tensors, meta)
     assert b.replica.version_vector == a.replica.version_vector and b.replica.version_vector.holes("other") == {2, 3}
+
+
+def test_the_journal_keeps_the_newest_own_updates_to_publish_them_again(tmp_path: Path, identity: Identity,
+                                                                          corpus) -> None:
+    """A peer that leaves right after a round may be the only one holding its last updates. Its checkpoints
+    hold them, but a restart must publish them again: the journal keeps the newest few, so nobody has to wait
+    out a gap for them (and they never become holes)."""
+    from p2p_diloco.train.checkpoint import JOURNAL_KEEP_RECENT
+    a = learner(identity, corpus)
+    state = manager(tmp_path, identity)
+    state.attach(a)
+    rounds = JOURNAL_KEEP_RECENT + 3
+    for _ in range(rounds):
+        a.run_round(Collect())
+    state.save(a, round=rounds)
+    state.save(a, round=rounds)  # the exit checkpoint: every kept checkpoint holds every seq
+    assert [u.seq for u in state.journaled()] == list(range(rounds - JOURNAL_KEEP_RECENT + 1, rounds + 1))
+    state.close()
+    b, state, info = restarted(tmp_path, identity, corpus)
+    assert info["replayed"] == 0 and b.last_seq == rounds  # journaled but not newer: nothing is counted twice
+    assert [u.seq for u in state.journaled()][-1] == rounds
