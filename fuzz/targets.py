@@ -40,7 +40,7 @@ from p2p_diloco.net import rpc
 from p2p_diloco.net.discovery import PEER_RECORD_DOMAIN, PeerRecordValidator, decode_peer_record, peers_key
 from p2p_diloco.net.gossip_messages import MAX_ID_DIGESTS, parse_request
 from p2p_diloco.net.statesync import MANIFEST_DOMAIN, MAX_CHUNK_BYTES, DonorError, parse_manifest
-from p2p_diloco.sync.version_vector import MAX_SENDER_LEN, MAX_SEQ, VersionVector
+from p2p_diloco.sync.version_vector import MAX_HOLES, MAX_SENDER_LEN, MAX_SEQ, VersionVector
 from p2p_diloco.wire.codecs import CODEC_NAMES, BlockwiseCodec, Codec, CodecError, get_codec
 from p2p_diloco.wire.envelope import (
     REJECT_REASONS,
@@ -230,6 +230,7 @@ def _check_vector(vv: VersionVector) -> None:
         assert type(sender) is str and 0 < len(sender) <= MAX_SENDER_LEN
         assert type(seq) is int and 0 < seq <= MAX_SEQ
         assert all(type(h) is int and 1 <= h < seq for h in vv.holes(sender))
+    assert set(vv.holed_senders()) <= set(vv) and vv.n_holes <= MAX_HOLES
 
 
 def gossip_request(data: bytes) -> str:

@@ -274,3 +274,36 @@ def test_skipped_by_quorum_is_a_majority_of_the_voters(others: list[dict[str, se
     skips = sum(1 for m in others if seq not in m.get(sender, set()) and max(m.get(sender, {0})) > seq)
     merges = 1 + sum(1 for m in others if seq in m.get(sender, set()))
     assert (skipped_by_quorum([(sender, seq)], vectors) == [(sender, seq)]) == (skips >= merges)
+
+
+@given(st.integers(0, 5), st.integers(0, 5))
+def test_one_side_of_an_item_yields_never_both(merged_elsewhere: int, skipped_elsewhere: int) -> None:
+    """Peers that merged (s, 2) and peers that skipped it see the same votes: exactly one side adopts."""
+    from p2p_diloco.sync.version_vector import merged_by_quorum, skipped_by_quorum
+    merger = VersionVector({"s": 3})
+    skipper = VersionVector({"s": 1}).with_merged("s", 3)
+    item = [("s", 2)]
+    # A merger sees the other mergers and every skipper; a skipper sees every merger and the other skippers.
+    merger_view = [merger] * merged_elsewhere + [skipper] * (skipped_elsewhere + 1)
+    skipper_view = [merger] * (merged_elsewhere + 1) + [skipper] * skipped_elsewhere
+    mergers_yield = skipped_by_quorum(item, merger_view) == item
+    skippers_yield = merged_by_quorum(item, skipper_view) == item
+    assert mergers_yield != skippers_yield
+
+
+@given(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4), st.integers(0, 4))
+def test_with_votes_unknown_to_either_side_never_both_yield(merged_elsewhere: int, skipped_elsewhere: int,
+                                                            hidden_from_merger: int, hidden_from_skipper: int) -> None:
+    """Each side counts the peers whose vectors it has not seen against itself; whatever each saw, the two
+    sides of an item never both adopt the other's state (they would swap forever)."""
+    from p2p_diloco.sync.version_vector import merged_by_quorum, skipped_by_quorum
+    merger = VersionVector({"s": 3})
+    skipper = VersionVector({"s": 1}).with_merged("s", 3)
+    item = [("s", 2)]
+    others_of_merger = [merger] * merged_elsewhere + [skipper] * (skipped_elsewhere + 1)
+    others_of_skipper = [merger] * (merged_elsewhere + 1) + [skipper] * skipped_elsewhere
+    h1 = min(hidden_from_merger, len(others_of_merger))
+    h2 = min(hidden_from_skipper, len(others_of_skipper))
+    mergers_yield = skipped_by_quorum(item, others_of_merger[h1:], unknown=h1) == item
+    skippers_yield = merged_by_quorum(item, others_of_skipper[:len(others_of_skipper) - h2], unknown=h2) == item
+    assert not (mergers_yield and skippers_yield)

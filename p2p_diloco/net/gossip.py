@@ -37,8 +37,8 @@ Rules:
   - Anti-entropy: every `anti_entropy_s` (jittered +-50%), pull from one random peer whatever it holds, and
     let the intake skip gaps that waited out `gap_timeout_s` (a quiet swarm brings nothing that would).
   - Repair (DESIGN.md section 4): a remote's vector whose holes name updates we merged and no longer hold
-    (`UpdateStore.unservable_for`) goes to `on_unservable(peer, vector, items)`; pulls can never make our
-    replicas equal then (net/repair.py adopts a state that skipped them).
+    (`UpdateStore.unservable_for`), or that merged updates we skipped, goes to `on_unservable`; pulls cannot
+    make our replicas equal when nobody serves them (net/repair.py adopts the state of the quorum's side).
   - Every call has `rpc_timeout_s` (per response chunk for pulls), and a pull response must keep the guard's
     minimum pace, so a never-ending trickle is cut. A failure is counted (by reason, against the remote) and
     logged at most once per peer per `log_interval_s`; nothing waits for the whole swarm (announces are
@@ -117,11 +117,12 @@ class Gossip:
     def __init__(self, node: SwarmNode, run_id: str, intake: Intake, store: UpdateStore, config: GossipConfig,
                  peers: Callable[[], Sequence[str]], *, guard: Any = None,
                  on_evidence: Callable[[bytes, bytes], None] | None = None,
-                 on_unservable: Callable[[str, VersionVector, list[tuple[str, int]]], None] | None = None):
+                 on_unservable: Callable[[str, VersionVector, list[tuple[str, int]], bool], None] | None = None):
         """`peers` returns the live peer ids of the run (e.g. from the DHT records); ours is filtered out.
         `guard` (a PeerGuard) enforces access and rate limits; `on_evidence(first, second)` gets the two signed
-        envelopes of each equivocation we find; `on_unservable(peer, its vector, items)` the updates we merged,
-        it skipped and we cannot serve (called on the loop; it must return at once)."""
+        envelopes of each equivocation we find; `on_unservable(peer, its vector, items, False)` the updates we
+        merged, it skipped and we cannot serve, and `(..., True)` those it merged and we skipped (called on the
+        loop; it must return at once)."""
         self.node = node
         self.guard = guard
         self.on_evidence = on_evidence
@@ -149,6 +150,9 @@ class Gossip:
         self._wanted: OrderedDict[str, tuple[VersionVector, bool]] = OrderedDict()
         self._announces: set[asyncio.Task] = set()
         self._known: OrderedDict[str, VersionVector] = OrderedDict()  # remote -> the last vector it sent us
+        # remote -> its vector when a pull from it brought nothing we could use (e.g. it merged one of our holes
+        # and cannot serve it): not asked again until its vector changes, or by anti-entropy
+        self._dry: OrderedDict[str, VersionVector] = OrderedDict()
         self._failure_logged_at: dict[str, float] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -186,6 +190,7 @@ class Gossip:
         self._anti_entropy = None
         self._wanted.clear()
         self._known.clear()
+        self._dry.clear()
         for name in (self.announce_name, self.pull_name):
             try:
                 await asyncio.wait_for(rpc.unserve(self.node.p2p, name), self.config.rpc_timeout_s / 2)
@@ -296,12 +301,21 @@ class Gossip:
         member = self.guard is None or self.guard.is_member(peer)
         if not (self._running and member and peer != self.node.peer_id):
             return
-        if self._lacks(self._vector(), remote):
+        if self._lacks(self._vector(), remote) and self._dry.get(peer) != remote:
             self._want_pull(peer, remote, force=False)
-        if self.on_unservable is not None and remote.n_holes:
-            items = self.store.unservable_for(self._vector(), remote)
+        if self.on_unservable is None:
+            return
+        ours = self._vector()
+        if remote.n_holes:
+            items = self.store.unservable_for(ours, remote)
             if items:
-                self.on_unservable(peer, remote, items)
+                self.on_unservable(peer, remote, items, False)
+        if ours.n_holes:  # and the other way round: it merged what we skipped (a pull brings it, if anyone can)
+            banned = self.intake.replica.banned
+            items = [(sender, seq) for sender in ours.holed_senders() if sender not in banned
+                     for seq in sorted(ours.holes(sender)) if remote.has(sender, seq)]
+            if items:
+                self.on_unservable(peer, remote, items, True)
 
     def known_vectors(self) -> dict[str, VersionVector]:
         """The last vector each remote sent us (announce or pull request), at most MAX_WANTED_PEERS of them."""
@@ -339,6 +353,10 @@ class Gossip:
                     received, new = await self._pull_once(peer)
                     brought += new
                     if new == 0:  # nothing usable (e.g. it lacks the seq that fills our gap): stop asking
+                        self._dry.pop(peer, None)
+                        self._dry[peer] = remote
+                        while len(self._dry) > MAX_WANTED_PEERS:
+                            self._dry.popitem(last=False)
                         break
                     force = received >= self.config.pull_max_updates  # a full batch: more may remain
         except asyncio.CancelledError:
@@ -464,7 +482,7 @@ class Gossip:
         while self._running:
             await asyncio.sleep(self.config.anti_entropy_s * self._rng.uniform(0.5, 1.5))
             try:
-                self.intake.expire_gaps()
+                await asyncio.to_thread(self.intake.expire_gaps)  # may merge a released chain: CPU, off the loop
                 targets = self._pick(1, ())
                 if targets:
                     self._want_pull(targets[0], VersionVector(), force=True)
@@ -494,7 +512,7 @@ class Gossip:
         banned = self.intake.replica.banned
         if any(sender not in banned for sender in ours.missing_from(remote)):
             return True
-        return any(remote.has(sender, seq) for sender in ours.holes_dict() if sender not in banned
+        return any(remote.has(sender, seq) for sender in ours.holed_senders() if sender not in banned
                    for seq in ours.holes(sender))
 
     def _vector(self) -> VersionVector:

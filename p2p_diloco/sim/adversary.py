@@ -30,7 +30,7 @@ from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.result import SimResult, divergence
 from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
 from p2p_diloco.sync.store import UpdateStore
-from p2p_diloco.sync.version_vector import skipped_by_quorum
+from p2p_diloco.sync.version_vector import merged_by_quorum, skipped_by_quorum
 from p2p_diloco.train.data import Corpus
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
@@ -159,7 +159,8 @@ class HostileSwarm(AsyncSwarm):
     def _repair(self) -> None:
         """DESIGN.md section 4, "Repair": a replica that merged an update another skipped, and can no longer
         serve it, adopts that peer's state and re-merges what it holds beyond it, if at least as many peers
-        skipped it as merged it (net/repair.py's rule; the simulator knows every vector and needs no grace)."""
+        skipped it as merged it; a skipper outvoted by mergers adopts a merger's state (net/repair.py's rules;
+        the simulator knows every vector and needs no grace)."""
         alive = self._alive()
         for peer in alive:
             vectors = [p.learner.replica.version_vector for p in alive if p is not peer]
@@ -168,7 +169,10 @@ class HostileSwarm(AsyncSwarm):
                     continue
                 local, remote = peer.learner.replica.version_vector, other.learner.replica.version_vector
                 items = peer.store.unservable_for(local, remote)
-                if items and skipped_by_quorum(items, vectors):
+                # The other side of the vote: our holes it merged that no live store can serve us.
+                lost = [(s, q) for s in local.holed_senders() for q in local.holes(s)
+                        if remote.has(s, q) and not any(p.store.get(s, q) for p in alive)]
+                if (items and skipped_by_quorum(items, vectors)) or (lost and merged_by_quorum(lost, vectors)):
                     theta, vv = other.learner.replica.snapshot()
                     held = peer.store.missing_for(vv, limit=1 << 30)
                     peer.learner.replica.adopt(theta, vv, held)

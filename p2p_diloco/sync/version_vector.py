@@ -142,6 +142,10 @@ class VersionVector(Mapping[str, int]):
         """Seqs of `sender` below `self[sender]` that were skipped, not merged."""
         return self._holes.get(sender, frozenset())
 
+    def holed_senders(self) -> list[str]:
+        """The senders with at least one hole (unsorted: for scans, not for encoding)."""
+        return list(self._holes)
+
     def has(self, sender: str, seq: int) -> bool:
         """True if update `(sender, seq)` is merged."""
         return 1 <= seq <= self._entries.get(sender, 0) and seq not in self._holes.get(sender, ())
@@ -319,18 +323,42 @@ def unservable_merges(local: VersionVector, remote: VersionVector,
     return out
 
 
-def skipped_by_quorum(items: Iterable[tuple[str, int]], vectors: Iterable[VersionVector]) -> list[tuple[str, int]]:
+def skipped_by_quorum(items: Iterable[tuple[str, int]], vectors: Iterable[VersionVector],
+                      unknown: int = 0) -> list[tuple[str, int]]:
     """The `items` (updates we merged and cannot serve) that at least as many of `vectors` (the other peers'
     latest, as far as we know them) skipped as merged them, counting our own merge: those the repair may give up.
 
     A vector votes on `(sender, seq)` only once its entry is past `seq`: "skipped" if `seq` is one of its holes,
-    "merged" if it holds it. A lone peer that claims a hole cannot make a swarm whose other members merged the
-    update adopt its state; in a swarm of two, the skip wins (the repair must go one way to end)."""
+    "merged" if it holds it; `unknown` peers whose vectors we do not know count as merged (against yielding).
+    A lone peer that claims a hole cannot make a swarm whose other members merged the update adopt its state;
+    in a swarm of two, the skip wins (the repair must go one way to end)."""
     vectors = list(vectors)
     out = []
-    for sender, seq in items:
-        skipped = sum(1 for v in vectors if seq in v.holes(sender))
-        merged = 1 + sum(1 for v in vectors if v.has(sender, seq))
-        if skipped >= merged:
-            out.append((sender, seq))
+    for item in items:
+        skipped, merged = _votes(item, vectors, merged_here=True)
+        if skipped >= merged + unknown:
+            out.append(item)
     return out
+
+
+def merged_by_quorum(items: Iterable[tuple[str, int]], vectors: Iterable[VersionVector],
+                     unknown: int = 0) -> list[tuple[str, int]]:
+    """The `items` (our holes that nobody has served us) that more of `vectors` merged than skipped, counting
+    our own skip and the `unknown` peers as skips: those for which our replica should adopt a merger's state.
+    The exact complement of `skipped_by_quorum` on the mergers' side: over the same votes one side of an item
+    yields, never both; with votes unknown to either side, at most one (each counts them against itself)."""
+    vectors = list(vectors)
+    out = []
+    for item in items:
+        skipped, merged = _votes(item, vectors, merged_here=False)
+        if merged > skipped + unknown:
+            out.append(item)
+    return out
+
+
+def _votes(item: tuple[str, int], vectors: Iterable[VersionVector], *, merged_here: bool) -> tuple[int, int]:
+    """(skipped, merged) counts of `item` over `vectors` (those past its seq) and our own replica."""
+    sender, seq = item
+    skipped = sum(1 for v in vectors if seq in v.holes(sender))
+    merged = sum(1 for v in vectors if v.has(sender, seq))
+    return (skipped, merged + 1) if merged_here else (skipped + 1, merged)
