@@ -230,7 +230,7 @@ def _check_vector(vv: VersionVector) -> None:
         assert type(sender) is str and 0 < len(sender) <= MAX_SENDER_LEN
         assert type(seq) is int and 0 < seq <= MAX_SEQ
         assert all(type(h) is int and 1 <= h < seq for h in vv.holes(sender))
-    assert set(vv.holed_senders()) <= set(vv) and vv.n_holes <= MAX_HOLES
+    assert set(vv.holes_dict()) <= set(vv) and vv.n_holes <= MAX_HOLES
 
 
 def gossip_request(data: bytes) -> str:

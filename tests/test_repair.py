@@ -219,6 +219,8 @@ def test_crossed_holes_are_repaired_once_by_the_lower_peer_id(loop, members) -> 
         loop.run(a.gossip.request_pull(b.peer_id))
         loop.run(b.gossip.request_pull(a.peer_id))
         wait_until(lambda: a.vv == b.vv, 30, "the two vectors to meet")
+        # The repair counts itself once its worker thread has returned, a moment after the replica changed.
+        wait_until(lambda: lower.repair.stats["repairs"] == 1, 10, "the lower PeerID's repair to be counted")
         assert lower.repair.stats["repairs"] == 1 and higher.repair.stats["repairs"] == 0
         torch.testing.assert_close(a.replica.theta, b.replica.theta, rtol=0, atol=1e-6)
 
@@ -231,6 +233,7 @@ def test_an_outvoted_skipper_adopts_a_mergers_state(loop, members) -> None:
         for u in (a, c):
             loop.run(u.gossip.request_pull(b.peer_id))  # B sees both mergers' vectors in their requests
         wait_until(lambda: a.vv == b.vv == c.vv, 30, "B to adopt a merger's state")
+        wait_until(lambda: b.repair.stats["repairs"] == 1, 10, "B's repair to be counted")  # after its thread returns
         assert b.repair.stats["repairs"] == 1 and a.repair.stats["repairs"] == c.repair.stats["repairs"] == 0
         assert b.vv.has(s_updates[1].sender, s_updates[1].seq) and b.vv.n_holes == 0
         torch.testing.assert_close(b.replica.theta, a.replica.theta, rtol=0, atol=1e-6)

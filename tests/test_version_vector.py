@@ -307,3 +307,11 @@ def test_with_votes_unknown_to_either_side_never_both_yield(merged_elsewhere: in
     mergers_yield = skipped_by_quorum(item, others_of_merger[h1:], unknown=h1) == item
     skippers_yield = merged_by_quorum(item, others_of_skipper[:len(others_of_skipper) - h2], unknown=h2) == item
     assert not (mergers_yield and skippers_yield)
+
+
+@given(merged_sets, merged_sets)
+def test_holes_merged_by_names_our_holes_the_other_merged(ma: dict[str, set[int]], mb: dict[str, set[int]]) -> None:
+    a, b = build(ma), build(mb)
+    expected = sorted((s, q) for s in SENDERS for q in a.holes(s) if q in mb.get(s, set()))
+    assert sorted(a.holes_merged_by(b)) == expected
+    assert all(s != SENDERS[0] for s, _ in a.holes_merged_by(b, skip={SENDERS[0]}))

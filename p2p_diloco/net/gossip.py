@@ -301,19 +301,17 @@ class Gossip:
         member = self.guard is None or self.guard.is_member(peer)
         if not (self._running and member and peer != self.node.peer_id):
             return
-        if self._lacks(self._vector(), remote) and self._dry.get(peer) != remote:
+        ours = self._vector()
+        if self._lacks(ours, remote) and self._dry.get(peer) != remote:
             self._want_pull(peer, remote, force=False)
         if self.on_unservable is None:
             return
-        ours = self._vector()
         if remote.n_holes:
             items = self.store.unservable_for(ours, remote)
             if items:
                 self.on_unservable(peer, remote, items, False)
         if ours.n_holes:  # and the other way round: it merged what we skipped (a pull brings it, if anyone can)
-            banned = self.intake.replica.banned
-            items = [(sender, seq) for sender in ours.holed_senders() if sender not in banned
-                     for seq in sorted(ours.holes(sender)) if remote.has(sender, seq)]
+            items = ours.holes_merged_by(remote, skip=self.intake.replica.banned)
             if items:
                 self.on_unservable(peer, remote, items, True)
 
@@ -512,8 +510,7 @@ class Gossip:
         banned = self.intake.replica.banned
         if any(sender not in banned for sender in ours.missing_from(remote)):
             return True
-        return any(remote.has(sender, seq) for sender in ours.holed_senders() if sender not in banned
-                   for seq in ours.holes(sender))
+        return bool(ours.n_holes and ours.holes_merged_by(remote, skip=banned))
 
     def _vector(self) -> VersionVector:
         # Vectors are immutable and swapped whole by the replica: reading one needs no lock.

@@ -138,7 +138,7 @@ class PeerNetwork:
         self.server: Any = None
         self.relay: Any = None
         self.repair: Any = None
-        self.repairs: list[dict] = []  # one summary per adoption (net/repair.py), appended on the loop
+        self.repairs: list[dict] = []  # one summary per adoption (net/repair.py), the last 64, replaced whole
         self._services: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self._announce_wanted = False

@@ -118,7 +118,9 @@ class Repair:
         ripe = [item for item in items if now - self._since.get(item, now) >= grace_s]
         if not ripe:
             return
-        if not skipped_here and peer < self.node.peer_id and _crossed(self.replica.version_vector, remote):
+        # Crossed holes (it merged one of ours as we merged one of its): both would adopt, each the other's
+        # state, and swap forever; only the lower PeerID adopts, and the higher then finds nothing left to do.
+        if not skipped_here and peer < self.node.peer_id and self.replica.version_vector.holes_merged_by(remote):
             self.stats["repairs_deferred"] += 1
             self._next_try = now + self.cooldown_s
             return
@@ -206,10 +208,10 @@ class Repair:
         replica, me = self.replica, self.node.peer_id
         with replica.lock:
             local = replica.version_vector
-            why = self._vet(local, vv, donor, cover, max_differ, skipped_here)
+            differ = vv.staleness(local) + local.staleness(vv)  # updates in one merged set and not the other
+            why = self._vet(local, vv, donor, cover, differ, max_differ, skipped_here)
             if why:
                 return why
-            differ = vv.staleness(local) + local.staleness(vv)  # updates in one merged set and not the other
             step = replica.max_step()
             if math.isfinite(step) and replica.policy.deterministic:  # centered_clip: receivers shape differently
                 gap = float((theta - replica.theta).abs().max())
@@ -227,23 +229,21 @@ class Repair:
         return {"vv_total_before": local.total(), "vv_total": replica.version_vector.total(), "differ": differ,
                 "remerged": len(merged)}
 
-    def _vet(self, local: VersionVector, vv: VersionVector, donor: str, cover: VersionVector,
+    def _vet(self, local: VersionVector, vv: VersionVector, donor: str, cover: VersionVector, differ: int,
              max_differ: int, skipped_here: bool = False) -> str | None:
         """Why the donor's vector must not replace ours now (None: it may). Cheap; under the replica's lock."""
         me = self.node.peer_id
-        if not skipped_here and donor < me and _crossed(local, vv):
+        if not skipped_here and donor < me and local.holes_merged_by(vv):
             return "crossed holes: the peer with the lower PeerID adopts"
         ahead = vv.staleness(cover)
         own_ahead = max(0, vv.get(donor) - cover.get(donor))
         # Our holes it merged (crossed holes): we skipped them because nobody served them; it may hold them.
-        filled = sum(1 for sender in local.holed_senders() for seq in local.holes(sender)
-                     if vv.has(sender, seq) and not cover.has(sender, seq))
+        filled = sum(1 for sender, seq in local.holes_merged_by(vv) if not cover.has(sender, seq))
         if ahead > own_ahead + filled or own_ahead > MAX_OWN_AHEAD:
             return (f"its vector names {ahead} update(s) neither we nor the other peers we know hold (or too many "
                     "of its own)")
         if any(vv.get(sender) > local.get(sender) for sender in self.replica.banned):
             return "it merged updates of a sender we banned"
-        differ = vv.staleness(local) + local.staleness(vv)
         if differ > max_differ:
             return f"it differs from ours by {differ} updates (at most {max_differ}): wait until it has caught up"
         # Our own seqs above its entry must come back from our store. (Those it skipped are what we give up.)
@@ -251,13 +251,6 @@ class Repair:
         if any(self.store.get(me, q) is None for q in own_lacked):
             return "it lacks some of our own updates that our store no longer holds"
         return None
-
-
-def _crossed(local: VersionVector, remote: VersionVector) -> bool:
-    """`remote` merged one of our holes (as we merged one of its, or there would be no repair to consider).
-    Both sides would adopt, each the other's state, and swap forever: only the lower PeerID adopts, and the
-    higher then finds nothing left to do."""
-    return any(remote.has(sender, seq) for sender in local.holed_senders() for seq in local.holes(sender))
 
 
 def _names(items: list[tuple[str, int]], limit: int = 4) -> str:

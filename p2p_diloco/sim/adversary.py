@@ -170,8 +170,7 @@ class HostileSwarm(AsyncSwarm):
                 local, remote = peer.learner.replica.version_vector, other.learner.replica.version_vector
                 items = peer.store.unservable_for(local, remote)
                 # The other side of the vote: our holes it merged that no live store can serve us.
-                lost = [(s, q) for s in local.holed_senders() for q in local.holes(s)
-                        if remote.has(s, q) and not any(p.store.get(s, q) for p in alive)]
+                lost = [(s, q) for s, q in local.holes_merged_by(remote) if not any(p.store.get(s, q) for p in alive)]
                 if (items and skipped_by_quorum(items, vectors)) or (lost and merged_by_quorum(lost, vectors)):
                     theta, vv = other.learner.replica.snapshot()
                     held = peer.store.missing_for(vv, limit=1 << 30)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any
 
 MAX_SENDERS = 100_000
@@ -142,9 +142,11 @@ class VersionVector(Mapping[str, int]):
         """Seqs of `sender` below `self[sender]` that were skipped, not merged."""
         return self._holes.get(sender, frozenset())
 
-    def holed_senders(self) -> list[str]:
-        """The senders with at least one hole (unsorted: for scans, not for encoding)."""
-        return list(self._holes)
+    def holes_merged_by(self, other: VersionVector, skip: Container[str] = ()) -> list[tuple[str, int]]:
+        """Our holes that `other` merged (senders in `skip` left out), in seq order per sender: what a pull
+        from it could fill, or, if nobody serves them, what the repair's vote is about."""
+        return [(sender, seq) for sender, seqs in self._holes.items() if sender not in skip
+                for seq in sorted(seqs) if other.has(sender, seq)]
 
     def has(self, sender: str, seq: int) -> bool:
         """True if update `(sender, seq)` is merged."""

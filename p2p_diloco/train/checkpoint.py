@@ -66,12 +66,12 @@ CKPT_PREFIX = "ckpt-"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest holds a version vector: ~60 bytes per sender
 HASH_CHUNK_BYTES = 8 << 20
 LOCK_WAIT_S = 15.0
+"""How long a start waits for the folder's lock: a killed predecessor's child processes may hold it briefly."""
 JOURNAL_KEEP_RECENT = 4
 """Own updates kept in the journal although every checkpoint holds them: a restarted peer publishes them again,
 because peers may never have got them (a peer that leaves right after a round leaves its last updates in its
 store only; without them its restart turns them into holes that the others wait out for gap_timeout_s, found
 by tests/test_restart.py under load). Costs 4 updates on disk (int8: 4 bytes per parameter in all)."""
-"""How long a start waits for the folder's lock: a killed predecessor's child processes may hold it briefly."""
 
 
 class CheckpointError(Exception):
