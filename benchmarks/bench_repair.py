@@ -5,7 +5,7 @@ Four real SwarmNodes in one process, each with the peer's Intake, UpdateStore, G
 (what `PeerNetwork.serve` starts). Sender S published seqs 1-3 and an honest sender H seqs 1-2. Peer A merged
 everything; B, C and D never got S#2, waited out the gap and skipped it. Then, per case:
 
-    repair     A no longer holds S#2 (restart, eviction): A adopts a skipping peer's state (net/repair.py)
+    repair     A no longer holds S#2 (restart, eviction): A adopts a skipping peer's state (net/gossip/repair.py)
     late fill  A still holds S#2: the skippers' requests name the hole, A serves it, they merge it late
     before     A no longer holds S#2, and gossip carries no holes and has no repair (the code before):
                measured for `--before-s` seconds, the replicas never meet
@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import preset
-from p2p_diloco.net.gossip import Gossip, GossipConfig
-from p2p_diloco.net.node import NodeConfig, SwarmNode
-from p2p_diloco.net.repair import Repair
-from p2p_diloco.net.snapshot_server import SnapshotServer
-from p2p_diloco.net.statesync import StateSyncConfig
+from p2p_diloco.net.gossip.repair import Repair
+from p2p_diloco.net.gossip.service import Gossip, GossipConfig
+from p2p_diloco.net.statesync.client import StateSyncConfig
+from p2p_diloco.net.statesync.server import SnapshotServer
+from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.store import UpdateStore
@@ -110,8 +110,8 @@ async def case(nodes: list[tuple[SwarmNode, Identity]], numel: int, kind: str, b
 
     try:
         if kind == "before":  # requests without holes, as before: the responder never sees them
-            import p2p_diloco.net.gossip as gossip_module
-            from p2p_diloco.net.gossip_messages import encode_request as with_holes
+            import p2p_diloco.net.gossip.service as gossip_module
+            from p2p_diloco.net.gossip.messages import encode_request as with_holes
 
             def encode_request(vv, limit=None, ids=None):  # noqa: ANN001, ANN202
                 return with_holes(type(vv)(vv.to_dict()), limit, ids)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from p2p_diloco.cliargs import add_dataclass_args, apply_args
+from p2p_diloco.cli.args import add_dataclass_args, apply_args
 from p2p_diloco.sim.scale import ScaleConfig, ScaleResult, simulate_scale
 
 DATE = "2026-11-21"

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from p2p_diloco.net.node import NodeConfig, SwarmNode
-from p2p_diloco.net.snapshot_server import SnapshotServer
-from p2p_diloco.net.statesync import StateSyncConfig, fetch_snapshot
+from p2p_diloco.net.statesync.client import StateSyncConfig, fetch_snapshot
+from p2p_diloco.net.statesync.server import SnapshotServer
+from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.identity import Identity

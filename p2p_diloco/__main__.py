@@ -2,6 +2,6 @@
 
 import sys
 
-from p2p_diloco.cli import main
+from p2p_diloco.cli.main import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """Configuration: the RunSpec every peer of a run shares, and presets.
 
 Frozen dataclasses with a docstring under each field (torchtitan's style); the CLI reads those docstrings
-to build `--help` (see `p2p_diloco.cliargs`). Nothing here reads the environment.
+to build `--help` (see `p2p_diloco.cli.args`). Nothing here reads the environment.
 
 The RunSpec is content-hashed: two peers train the same run only if their `spec_hash()` values are equal.
 """

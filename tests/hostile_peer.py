@@ -26,18 +26,18 @@ import msgpack
 import torch
 
 from p2p_diloco.config import RunSpec
-from p2p_diloco.net import rpc
-from p2p_diloco.net.discovery import (
+from p2p_diloco.net.admission.guard import hello_name
+from p2p_diloco.net.discovery.records import (
     PEER_RECORD_DOMAIN,
     announce_peer,
     fetch_run_spec,
     peers_key,
 )
-from p2p_diloco.net.gossip import encode_request
-from p2p_diloco.net.guard import hello_name
-from p2p_diloco.net.node import SwarmNode
-from p2p_diloco.net.snapshot_server import SnapshotServer
-from p2p_diloco.net.statesync import StateSyncConfig
+from p2p_diloco.net.gossip.service import encode_request
+from p2p_diloco.net.statesync.client import StateSyncConfig
+from p2p_diloco.net.statesync.server import SnapshotServer
+from p2p_diloco.net.transport import rpc
+from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import get_codec
@@ -51,7 +51,7 @@ from p2p_diloco.wire.envelope import (
 )
 from p2p_diloco.wire.identity import Identity
 
-FRAME = struct.Struct(">BI")  # net/rpc.py's framing: kind, length
+FRAME = struct.Struct(">BI")  # net/transport/rpc.py's framing: kind, length
 DATA, END = 0, 1
 SLOW_STREAM_MAX_S = 120.0
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from p2p_diloco.net.node import NodeConfig, SwarmNode
+from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
 from p2p_diloco.wire.identity import Identity
 
 

@@ -159,7 +159,7 @@ class HostileSwarm(AsyncSwarm):
     def _repair(self) -> None:
         """DESIGN.md section 4, "Repair": a replica that merged an update another skipped, and can no longer
         serve it, adopts that peer's state and re-merges what it holds beyond it, if at least as many peers
-        skipped it as merged it; a skipper outvoted by mergers adopts a merger's state (net/repair.py's rules;
+        skipped it as merged it; a skipper outvoted by mergers adopts a merger's state (net/gossip/repair.py's rules;
         the simulator knows every vector and needs no grace)."""
         alive = self._alive()
         for peer in alive:

@@ -1,6 +1,6 @@
 """How updates spread in the scale simulator: full dissemination (the real gossip) or tree aggregation.
 
-Full dissemination follows net/gossip.py. A publisher announces its version vector to `fanout` random live
+Full dissemination follows net/gossip/service.py. A publisher announces its version vector to `fanout` random live
 peers; a peer that lacks the update pulls it (request: its own vector; response: the payload) and, if it was
 new, re-announces to `fanout` others. A peer pulls again from a second announcer while the first pull is in
 flight (the real code does; `dedup_inflight` turns it off), which costs duplicate payloads. Push gossip alone

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p_diloco.config import ConfigError, RunSpec, SimConfig
-from p2p_diloco.net.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.sim.events import EventQueue
+from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.train.data import Corpus, eval_batches

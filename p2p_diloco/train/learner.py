@@ -171,7 +171,7 @@ class Learner:
         self.last_seq = update.seq
         outcome, _ = self.replica.offer(update)
         # Our own next seq always merges, unless a restart left a gap in our own seqs that no journal entry
-        # could fill, or a repair (net/repair.py) adopted a state without some of our updates that our store no
+        # could fill, or a repair (net/gossip/repair.py) adopted a state without some of our updates that our store no
         # longer held (it waits for gossip to bring the missing ones); anything else is a bug. Read again: the
         # repair runs on the network thread and may have moved V since `own_merged` was read.
         own_gap = update.seq > min(own_merged, self.replica.version_vector.get(self.peer_id)) + 1
@@ -182,7 +182,7 @@ class Learner:
         return update
 
     def run_round(self, exchange) -> tuple[OuterUpdate, InnerResult]:
-        """One whole round against an `Exchange` (net/exchange.py): train, sign, merge, publish."""
+        """One whole round against an `Exchange` (train/exchange.py): train, sign, merge, publish."""
         phase = self.begin_phase()
         result = self.run_inner(phase)
         update = self.finish_phase(phase, result, exchange.swarm_view())

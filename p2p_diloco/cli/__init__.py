@@ -1,0 +1,1 @@
+"""The `p2p-diloco` command line."""

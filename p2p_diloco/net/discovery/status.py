@@ -1,0 +1,227 @@
+"""What a peer tells the swarm about itself, and how we read and show it.
+
+A peer's DHT record (signed, expiring: see `discovery`) carries these fields besides those `announce_peer`
+fills in (peer_id, run_id, updated_at, expiration_time):
+
+    maddrs                  where to dial it
+    state                   "syncing" (joining) | "training" | "done" (finished its rounds, lingering) |
+                            "left" (shut down cleanly)
+    version_vector_total    updates merged into its replica (sum of its version vector)
+    vv_digest               first 16 hex chars of its version vector's digest: equal digests, equal replicas
+    seq                     its own last published seq
+    round, step             outer rounds and cumulative inner steps done
+    loss, eval_loss         last inner-phase mean train loss; last eval loss (None before the first)
+    samples_per_s           training throughput over its last round (wall clock)
+    samples_per_update      samples in one of its updates (H * batch_size)
+    tau                     staleness of its last update
+    shard, corpus           data shard and corpus fingerprint (peers on another corpus are flagged)
+    member_proof            in a run with a secret: HMAC proof of the secret, bound to the PeerID (admission/policy.py)
+    rejected_by             {reason: count} of everything it refused: updates (intake outcomes but merged and
+                            buffered) and network refusals (rate_limited, not_allowed, bad_chunk, slow_stream...)
+    offenders               its worst remotes: {peer_id: {reason: count}} (honest duplicates do not rank)
+    banned                  senders it banned (equivocation, invalid or non-finite updates)
+    dht_rejected            {reason: count} of peer records its DHT node refused (forged, malformed, oversize...)
+    vv                      its version vector {sender: seq}, while it names at most 16 senders
+
+Records come from the network: every reader treats every field as untrusted (`number`, `text`, `counts`).
+The optional fields (vv, offenders, dht_rejected, rejected_by) are dropped, in that order, when a record
+would not fit the DHT's size limit (`fit_record`).
+
+What a peer writes for people and tests: one line per round (`round_line`), a JSON log (`JsonLog`, one object
+per event: start, sync, eval, round, linger, final) and its final state (`save_state`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+
+def shard_for(peer_id: str, num_shards: int) -> int:
+    """The default data shard of a peer: int(sha256(peer_id)) mod num_shards (stable across restarts)."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest(), "big") % num_shards
+
+
+def number(record: Mapping[str, Any], key: str, default: float = 0.0) -> float:
+    """A finite number from an untrusted record, or `default`."""
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return default
+    return float(value)
+
+
+def text(record: Mapping[str, Any], key: str, limit: int = 64) -> str:
+    value = record.get(key)
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def counts(record: Mapping[str, Any], key: str, limit: int = 64) -> dict[str, int]:
+    """A {name: count} field of an untrusted record: string keys and non-negative ints only, at most `limit`."""
+    value = record.get(key)
+    if not isinstance(value, dict):
+        return {}
+    out = {k[:64]: v for k, v in value.items()
+           if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:limit])
+
+
+OPTIONAL_RECORD_FIELDS = ("vv", "offenders", "dht_rejected", "rejected_by")
+"""Dropped in this order when a record would not fit: diagnostics, never what peers act on."""
+_RECORD_OVERHEAD_BYTES = 512  # peer_id, run_id, expiration_time and updated_at, filled in when it is signed
+
+
+def fit_record(record: dict, max_bytes: int) -> dict:
+    """`record` without as many optional fields as it takes to fit `max_bytes` once signed fields are added."""
+    fitted = dict(record)
+    for name in OPTIONAL_RECORD_FIELDS:
+        if len(msgpack.packb(fitted, use_bin_type=True)) + _RECORD_OVERHEAD_BYTES <= max_bytes:
+            break
+        fitted.pop(name, None)
+    return fitted
+
+
+def rejection_summary(record: Mapping[str, Any], top: int = 3) -> str:
+    """'total (reason n, ...)' of a record's rejections, for the status table."""
+    by_reason = counts(record, "rejected_by")
+    if not by_reason:
+        return "0"
+    head = ", ".join(f"{reason} {n}" for reason, n in list(by_reason.items())[:top])
+    return f"{sum(by_reason.values())} ({head})"
+
+
+def live(records: Mapping[str, dict]) -> dict[str, dict]:
+    """Records of peers that have not announced that they left."""
+    return {pid: r for pid, r in records.items() if text(r, "state") != "left"}
+
+
+def is_quiet(records: Mapping[str, dict], self_id: str, digest: str) -> bool:
+    """True when every other live peer has finished its rounds and holds the same replica as we do (equal
+    version-vector digests): no update is in flight any more, so our replica is final."""
+    return all(text(r, "state") == "done" and text(r, "vv_digest") == digest
+               for pid, r in live(records).items() if pid != self_id)
+
+
+MAX_WEIGHTED_PEERS = 1024  # records are cheap to forge; a flood must not shrink every update's weight to nothing
+
+
+def swarm_samples_per_round(records: Mapping[str, dict], self_id: str, own_samples: float) -> tuple[int, float]:
+    """(num_peers, samples_per_round) for `SwarmView`: live peers that train or are about to, plus us.
+
+    Samples per update are a RunSpec constant (H x batch_size), so every peer's share is taken as ours; a
+    remote record's own claim is never used (it could zero or inflate every weight in the swarm).
+    """
+    peers = [pid for pid, r in live(records).items()
+             if pid != self_id and text(r, "state") in ("syncing", "training")]
+    num_peers = min(len(peers), MAX_WEIGHTED_PEERS) + 1
+    return num_peers, own_samples * num_peers
+
+
+def short_id(peer_id: str) -> str:
+    """The distinguishing tail of a PeerID (every Ed25519 PeerID starts with 12D3KooW)."""
+    return peer_id[-8:] if len(peer_id) > 8 else peer_id
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fmt(value: float | None, spec: str, empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def status_table(records: Mapping[str, dict], now: float | None = None) -> str:
+    """The `p2p-diloco status` table: one row per peer, freshest replica first."""
+    if now is None:
+        from hivemind.utils import get_dht_time  # hivemind is heavy; this module is imported by the CLI
+
+        now = get_dht_time()
+    header = ("peer", "state", "V", "seq", "round", "step", "samples/s", "loss", "eval", "tau", "age", "rejected",
+              "addrs")
+    rows = [header]
+    ordered = sorted(records.items(), key=lambda kv: -number(kv[1], "version_vector_total"))
+    for pid, r in ordered:
+        maddrs = r.get("maddrs") if isinstance(r.get("maddrs"), list) else []
+        addrs = ", ".join(str(m).split("/p2p/")[0] for m in maddrs[:2] if isinstance(m, str))
+        eval_loss = r.get("eval_loss")
+        rows.append((
+            pid, text(r, "state") or "?", str(int(number(r, "version_vector_total"))), str(int(number(r, "seq"))),
+            str(int(number(r, "round"))), str(int(number(r, "step"))), f"{number(r, 'samples_per_s'):.1f}",
+            _fmt(number(r, "loss", math.nan), ".3f") if r.get("loss") is not None else "-",
+            f"{number(r, 'eval_loss'):.3f}" if isinstance(eval_loss, (int, float)) else "-",
+            str(int(number(r, "tau"))), f"{max(0.0, now - number(r, 'updated_at', now)):.0f}s",
+            rejection_summary(r), addrs or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def rejection_details(records: Mapping[str, dict]) -> str:
+    """Per peer: every rejection reason with its count, and its worst offenders (the `status` footer)."""
+    lines = []
+    for pid, r in sorted(records.items()):
+        by_reason = counts(r, "rejected_by")
+        dht = counts(r, "dht_rejected")
+        if not (by_reason or dht):
+            continue
+        lines.append(f"{short_id(pid)}: " + (", ".join(f"{k} {n}" for k, n in by_reason.items()) or "-")
+                     + (f"; dht records refused: {', '.join(f'{k} {n}' for k, n in dht.items())}" if dht else ""))
+        offenders = r.get("offenders") if isinstance(r.get("offenders"), dict) else {}
+        for offender, reasons in list(offenders.items())[:4]:
+            if isinstance(offender, str):
+                detail = ", ".join(f"{k} {n}" for k, n in counts({"x": reasons}, "x", limit=16).items())
+                lines.append(f"    from {short_id(offender)}: {detail}")
+    return "\n".join(lines)
+
+
+def round_line(stats: Mapping[str, Any]) -> str:
+    """The one line a peer prints per round."""
+    eval_loss = stats.get("eval_loss")
+    return (f"round {stats['round']:>4}  step {stats['step']:>6}  loss {stats['loss']:.3f}  "
+            f"eval {_fmt(eval_loss, '.3f', '  -  ')}  peers {stats['peers']}  tau {stats['tau']}  "
+            f"V {stats['vv_total']}  sent {fmt_bytes(stats['bytes_sent'])}  merged {stats['merged']}  "
+            f"rejected {stats['rejected']}  util {stats['utilization']:.0%}")
+
+
+class JsonLog:
+    """One JSON object per line, flushed at once (tests and the local-swarm example tail it)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = None
+        if path:
+            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(path).expanduser(), "a", encoding="utf-8")  # closed in close()
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def save_state(out_dir: str, theta: Any, version_vector: Any, extra: dict) -> tuple[Path, Path]:
+    """Write theta.pt and version_vector.json into `out_dir`, each atomically (temp file + rename)."""
+    import torch
+
+    folder = Path(out_dir).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    theta_path, vv_path = folder / "theta.pt", folder / "version_vector.json"
+    torch.save(theta, theta_path.with_suffix(".pt.tmp"))
+    os.replace(theta_path.with_suffix(".pt.tmp"), theta_path)
+    blob = {"version_vector": version_vector.to_dict(), "total": version_vector.total(),
+            "digest": version_vector.digest().hex(), **extra}
+    vv_path.with_suffix(".json.tmp").write_text(json.dumps(blob, indent=1))
+    os.replace(vv_path.with_suffix(".json.tmp"), vv_path)
+    return theta_path, vv_path

@@ -1,0 +1,1 @@
+"""Dissemination: gossip of signed outer updates, equivocation evidence, and lost-update repair."""

@@ -1,0 +1,22 @@
+"""The exchange: what a learner unit needs from the network, and nothing more.
+
+The learner hands finished updates to `publish` (which must not block: an inner phase never waits on the
+network) and reads the swarm's size and throughput from `swarm_view` to weight its next update. Remote
+updates arrive on the exchange's own schedule and go through `Intake` into the replica. Two
+implementations: `MemoryExchange` (simulator, tests) and the hivemind swarm (`peer/process.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from p2p_diloco.train.learner import SwarmView
+from p2p_diloco.wire.envelope import OuterUpdate
+
+
+class Exchange(Protocol):
+    def publish(self, update: OuterUpdate) -> None:
+        """Send our update to the swarm; returns at once."""
+
+    def swarm_view(self) -> SwarmView:
+        """Live peers and the samples one round of their updates carries."""
