@@ -239,14 +239,39 @@ def published_counts(procs: list[Proc]) -> dict[str, int]:
     return out
 
 
-def assert_replicas_agree(procs: list[Proc], published: dict[str, int], *, rtol: float = 1e-5) -> None:
+def incarnations(proc: Proc) -> list[list[dict]]:
+    """The JSON log of a peer split at each "start" event: one list of events per process that ran it."""
+    runs: list[list[dict]] = []
+    for event in proc.events():
+        if event["event"] == "start":
+            runs.append([])
+        if runs:
+            runs[-1].append(event)
+    return runs
+
+
+def of(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["event"] == kind]
+
+
+def assert_replicas_agree(procs: list[Proc], published: dict[str, int] | None = None, *, rtol: float = 1e-5,
+                          clean: bool = False) -> None:
     """The standard assertion after a fault: every final replica holds exactly the updates `published` (each
     sender's seqs 1..n: none lost, and a version vector counts each (sender, seq) once), equal vectors, equal
-    theta to float rounding."""
+    theta to float rounding. `published` defaults to each peer's last signed seq (its last process's final
+    record); `clean` also asserts that no peer rejected anything, saw equivocation or banned anyone."""
+    finals = {proc.name: of(incarnations(proc)[-1], "final")[-1] for proc in procs} if \
+        (published is None or clean) else {}
+    if published is None:
+        published = {f["peer_id"]: f["seq"] for f in finals.values()}
     states = [proc.state() for proc in procs]
     for proc, (_, vv) in zip(procs, states):
         held = {pid: vv["version_vector"].get(pid, 0) for pid in published}
         assert held == published, f"{proc.name} holds {held}, published {published}"
+        if clean:
+            final = finals[proc.name]
+            assert final["rejected"] == 0 and final["equivocations"] == 0 and final["banned"] == [], \
+                (proc.name, final)
     assert len({vv["digest"] for _, vv in states}) == 1, [vv["version_vector"] for _, vv in states]
     for proc, (theta, _) in zip(procs[1:], states[1:]):
         assert max_relative_difference(states[0][0], theta) < rtol, f"{procs[0].name} and {proc.name} differ"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from p2p_diloco.sim.scale_model import FailureClock, Ledger, MethodResult, progress, recover, wall_s
 
 if TYPE_CHECKING:
-    from p2p_diloco.sim.scale import ScaleConfig
+    from p2p_diloco.sim.scale_config import ScaleConfig
 
 
 def _result(method: str, ledger: Ledger, allocated: float, failures: int, rounds: float,

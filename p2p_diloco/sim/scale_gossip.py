@@ -8,7 +8,7 @@ leaves about e^-fanout of the peers unreached; when a wave ends, each live peer 
 it from a holder after about `anti_entropy_s` (anti-entropy, or a later announce naming it). Every peer
 receives about one copy of every update: O(N) bytes per peer per round, plus O(N) vector bytes per announce.
 
-Tree aggregation (DESIGN.md section 4, "Scale"; in the spirit of Moshpit SGD and NoLoCo, but exact): every
+Tree aggregation (ARCHITECTURE.md "The network"; in the spirit of Moshpit SGD and NoLoCo, but exact): every
 period, the live units form a random k-ary tree; each sends up the sum of its own unconfirmed updates and its
 children's sums, and the root's sum travels back down. The sender's outer step is linear, so a replica
 merges the sum as it would merge the parts; a part it already holds (its own update, say) it subtracts, which
@@ -22,16 +22,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from p2p_diloco.sim.scale_units import DecoupledSwarm, Unit, Update
+from p2p_diloco.sim.scale_state import UP
 
-UP = "up"
+if TYPE_CHECKING:
+    from p2p_diloco.sim.scale_state import SwarmHost, Unit, Update
 
 
 class FullDissemination:
     """Announce, pull, re-announce; anti-entropy after each wave; stranded updates wait for a holder."""
 
-    def __init__(self, swarm: DecoupledSwarm) -> None:
+    def __init__(self, swarm: SwarmHost) -> None:
         self.sw = swarm
         self.stranded: list[Update] = []
 
@@ -144,7 +144,7 @@ class FullDissemination:
 class TreeAggregation:
     """Every period: reduce the live units' new updates up a random k-ary tree, broadcast the sum down."""
 
-    def __init__(self, swarm: DecoupledSwarm) -> None:
+    def __init__(self, swarm: SwarmHost) -> None:
         self.sw = swarm
         cfg = swarm.cfg
         self.period_s = cfg.aggregation_period_s or cfg.round_s

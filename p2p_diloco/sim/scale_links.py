@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from p2p_diloco.sim.scale_units import DecoupledSwarm, Unit
+    from p2p_diloco.sim.scale_state import SwarmHost, Unit
 
 
 class Transfer:
@@ -30,7 +30,7 @@ class Transfer:
 class Uplinks:
     """The uplinks of every unit of a swarm."""
 
-    def __init__(self, swarm: DecoupledSwarm) -> None:
+    def __init__(self, swarm: SwarmHost) -> None:
         self.sw = swarm
         self.queues: list[deque[Transfer]] = [deque() for _ in range(swarm.n)]
         self.busy = [False] * swarm.n

@@ -142,7 +142,7 @@ class MethodResult:
 
     method: str
     goodput: float
-    """useful unit-seconds / allocated unit-seconds (DESIGN.md section 8)."""
+    """useful unit-seconds / allocated unit-seconds (ARCHITECTURE.md "What we measure")."""
     breakdown: dict[str, float]
     """Fraction of the allocated unit-seconds in each category of CATEGORIES (they sum to 1)."""
     failures: int
@@ -155,7 +155,7 @@ class MethodResult:
     sync and dp: per outer round): sent_mean, sent_max, payload_sent_mean, metadata_sent_mean, received_mean,
     copies_sent_mean (payload bytes / update bytes)."""
     staleness: dict[str, float] = field(default_factory=dict)
-    """Summary of tau per published update: others' updates merged while the phase ran (DESIGN.md section 2)."""
+    """Summary of tau per published update: others' updates merged while the phase ran (tau)."""
     tau_histogram: dict[int, int] = field(default_factory=dict)
     """tau -> number of published updates with that tau."""
     delivery_latency_s: dict[str, float] = field(default_factory=dict)
@@ -168,6 +168,6 @@ class MethodResult:
     converged: bool | None = None
     """After the run drained (no new updates, no failures), did every live replica hold the same set?"""
     double_merges: int = 0
-    """Updates merged more than once into some replica (must be 0: DESIGN.md invariant 2)."""
+    """Updates merged more than once into some replica (must be 0: ARCHITECTURE.md "Invariants", 2)."""
     events: int = 0
     wall_s: float = 0.0

@@ -7,7 +7,7 @@ checkpoint, catches up from a live donor (the missing updates, or a state sync i
 its interrupted phase. A restarted unit then runs anti-entropy pulls until it holds what was published by then.
 
 Replicas follow the real merge rule (sync/replica.py): V[sender] is the highest contiguous seq merged; later
-seqs wait in a buffer; anything at or below V[sender] is a duplicate. tau (DESIGN.md section 2) is the number
+seqs wait in a buffer; anything at or below V[sender] is a duplicate. tau (ARCHITECTURE.md "Vocabulary") is the number
 of others' updates merged while a phase ran; because V only grows it is a difference of totals.
 
 How updates spread is the job of the dissemination strategy (scale_gossip.py).
@@ -24,50 +24,10 @@ from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.scale_gossip import FullDissemination, TreeAggregation
 from p2p_diloco.sim.scale_links import Uplinks
 from p2p_diloco.sim.scale_model import FailureClock, Ledger, MethodResult, Reservoir, progress, summarize, wall_s
+from p2p_diloco.sim.scale_state import AUDIT_MAX_MERGES, REPAIR, RESTART, UP, Unit, Update
 
 if TYPE_CHECKING:
-    from p2p_diloco.sim.scale import ScaleConfig
-
-UP, REPAIR, RESTART = "up", "repair", "restart"
-AUDIT_MAX_MERGES = 4_000_000
-"""Runs expected to merge at most this many (unit, update) pairs keep a per-unit set to audit double merges."""
-
-
-class Update:
-    """One published outer update, as the simulator tracks it (no payload)."""
-
-    __slots__ = ("sender", "seq", "published_at", "holders", "pending", "inflight", "stranded", "epoch")
-
-    def __init__(self, sender: int, seq: int, published_at: float) -> None:
-        self.sender, self.seq, self.published_at = sender, seq, published_at
-        self.holders: list[int] | None = None  # full dissemination: units holding it (until all live do)
-        self.pending: dict[int, int] = {}  # unit -> pulls of it in flight to that unit
-        self.inflight = 0  # transfers and scheduled repairs of it; 0 ends a wave of the epidemic
-        self.stranded = False  # no live holder: waits for one to restart
-        self.epoch: int | None = None  # tree aggregation: the epoch whose sum carried it
-
-
-class Unit:
-    """A learner unit: its phase, its failure state, its replica's version vector and its byte counters."""
-
-    __slots__ = ("index", "speed", "work_s", "state", "life", "seq", "vv", "total", "buffered", "n_buffered",
-                 "base_total", "seg_start", "seg_work", "down_since", "down_until", "up_since", "live_pos",
-                 "sent_payload", "sent_meta", "recv_payload", "recv_meta", "audit")
-
-    def __init__(self, index: int, n: int, speed: float, work_s: float) -> None:
-        self.index, self.speed, self.work_s = index, speed, work_s
-        self.state, self.life, self.seq = UP, 0, 0
-        self.vv = [0] * n
-        self.total = 0  # sum(vv): updates merged
-        self.buffered: dict[int, set[int]] = {}
-        self.n_buffered = 0
-        self.base_total = 0  # total at the start of the current phase
-        self.seg_start, self.seg_work = 0.0, work_s  # current stretch of the phase: start time, work left
-        self.down_since = self.down_until = self.up_since = 0.0
-        self.live_pos = index
-        self.sent_payload = self.sent_meta = self.recv_payload = self.recv_meta = 0
-        self.audit: set[tuple[int, int]] | None = None
-
+    from p2p_diloco.sim.scale_config import ScaleConfig
 
 class DecoupledSwarm:
     """Run p2p DiLoCo learner units through failures; `run()` returns the decoupled MethodResult."""

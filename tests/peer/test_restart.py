@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_helpers import Launcher, Proc, max_relative_difference, wait_until
+from swarm_helpers import Launcher, Proc, assert_replicas_agree, incarnations, of, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -23,21 +23,6 @@ NICE = 10
 START_S = 90  # start-up of one process on a loaded 2-core machine, with margin
 MAX_ROUND_GAP_S = 10.0  # gossip's rpc_timeout_s: no survivor may stall longer than a network timeout
 CKPT_ARGS = ("--checkpoint-every", "2", "--catch-up-stall-s", "8")
-
-
-def incarnations(proc: Proc) -> list[list[dict]]:
-    """The JSON log of a peer split at each "start" event: one list of events per process that ran it."""
-    runs: list[list[dict]] = []
-    for event in proc.events():
-        if event["event"] == "start":
-            runs.append([])
-        if runs:
-            runs[-1].append(event)
-    return runs
-
-
-def of(events: list[dict], kind: str) -> list[dict]:
-    return [e for e in events if e["event"] == kind]
 
 
 def kill_mid_phase(proc: Proc) -> float:
@@ -56,20 +41,6 @@ def finish_all(procs: list[Proc], timeout_s: float = 180) -> None:
         proc.finish()
     for proc in procs:
         assert proc.wait(timeout_s) == 0, proc.tail()
-
-
-def assert_replicas_agree(procs: list[Proc]) -> None:
-    """The standard assertion: same V everywhere, V[sender] == sender's last seq, thetas equal, no bans."""
-    finals = {proc.name: of(incarnations(proc)[-1], "final")[-1] for proc in procs}
-    last_seq = {f["peer_id"]: f["seq"] for f in finals.values()}
-    states = {proc.name: proc.state() for proc in procs}
-    for name, (_, vv) in states.items():
-        assert vv["version_vector"] == last_seq, (name, vv["version_vector"], last_seq)
-        final = finals[name]
-        assert final["rejected"] == 0 and final["equivocations"] == 0 and final["banned"] == [], (name, final)
-    thetas = [theta for theta, _ in states.values()]
-    for theta in thetas[1:]:
-        assert max_relative_difference(thetas[0], theta) < 1e-5
 
 
 def assert_exit_checkpoint_is_the_final_state(proc: Proc) -> None:
@@ -140,7 +111,7 @@ def test_kill_mid_inner_phase_then_restart_catches_up(tmp_path: Path) -> None:
             catchup = of(second, "catchup")[0]
             assert catchup["how"] == "caught_up" and catchup["vv_total"] > catchup["vv_total_before"], catchup
         assert_no_stall([a], killed_at)
-        assert_replicas_agree([a, b2, c2])
+        assert_replicas_agree([a, b2, c2], clean=True)
         for proc in (a, b2, c2):
             assert_exit_checkpoint_is_the_final_state(proc)
 
@@ -172,7 +143,7 @@ def test_restart_after_peers_dropped_the_gap_state_syncs(tmp_path: Path) -> None
         catchup = of(second, "catchup")[0]
         assert catchup["how"] == "state_sync" and catchup["vv_total"] > restore["vv_total"], catchup
         assert_no_stall(others, killed_at)
-        assert_replicas_agree([*others, restarted])
+        assert_replicas_agree([*others, restarted], clean=True)
 
 
 @pytest.mark.slow
@@ -205,4 +176,4 @@ def test_repeated_sigkills_at_random_moments_with_a_checkpoint_every_round(tmp_p
         for before, after in zip(lives, lives[1:]):
             assert_resumed(victim, before, after)
         assert_no_stall(others, first_kill)
-        assert_replicas_agree([*others, victim])
+        assert_replicas_agree([*others, victim], clean=True)
