@@ -50,7 +50,7 @@ def measure(spec, name: str, delta, theta, identity, repeats: int) -> tuple[floa
     t_sign, data = timed(sign, repeats)
     t_verify, update = timed(lambda: decode_update(data, max_bytes=len(data) + 1), repeats)
     t_dec, decoded = timed(lambda: codec.decompress(update.payload, numel), repeats)
-    replica = Replica(theta.clone(), outer_lr=0.7, max_weight=1.0, decode=lambda u: decoded)
+    replica = Replica(theta.clone(), outer_lr=0.7, max_weight=1.0, codec=codec)
 
     def merge():
         with replica.lock:  # the axpy itself, as Replica.offer applies it

@@ -1,7 +1,7 @@
 """Equivocation evidence: two signed updates from one sender for one slot, checkable by anyone (issue 5).
 
 A sender that signs two different updates for the same `(sender, seq)` splits the swarm: peers that merged
-one can never merge the other (DESIGN.md section 3). The pair of raw envelopes is a proof nobody can forge,
+one can never merge the other (ARCHITECTURE.md "The merge rule"). The pair of raw envelopes is a proof nobody can forge,
 because both signatures are the sender's: a peer that holds it bans the sender (`Replica.ban`), keeps it
 (`Intake.evidence`) and gossips it; a peer that receives it re-verifies it with `check_evidence` and only then
 bans too (`Intake.accept_evidence`). No peer has to trust another's word.

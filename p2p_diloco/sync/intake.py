@@ -43,9 +43,10 @@ from collections.abc import Callable
 
 from p2p_diloco.config import RunSpec
 from p2p_diloco.sync.evidence import evidence_pair, verified_pair
-from p2p_diloco.sync.replica import Conflict, MergeOutcome, Replica, UpdateLike
+from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.types import Conflict, MergeOutcome, UpdateLike
 from p2p_diloco.wire.codecs import Codec, get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, WireError, decode_update
 
@@ -71,8 +72,8 @@ class Intake:
         self.spec_hash = spec.spec_hash()
         self.numel = numel
         self.replica = replica
-        self.codec: Codec = get_codec(spec.outer.codec, spec.outer.codec_block)
-        self.max_bytes = max_update_bytes(spec, numel)
+        self.codec: Codec = replica.codec  # the peer's one codec, the spec's (`Replica.from_spec`)
+        self.max_bytes = self.codec.payload_bytes(numel) + HEADER_ALLOWANCE_BYTES  # = max_update_bytes(spec, numel)
         self.policy = MergePolicy.from_spec(spec)
         replica.bind_rules(self.policy, gap_timeout_s=spec.defence.gap_timeout_s,
                            max_hole_span=spec.defence.max_hole_span, clock=lambda: self.clock())
@@ -151,9 +152,10 @@ class Intake:
         return None
 
     def _on_ban(self, sender: str) -> None:
-        """Ban listener (runs under the replica's lock, before the store forgets the sender): keep the proof
-        if this ban was an equivocation we can prove, then purge the sender from the store."""
-        conflict = self.replica.conflicts.pop(sender, None)
+        """Ban listener (runs once the call that banned has released the replica's lock, so the take-back may
+        call `unmerge`): keep the proof if this ban was an equivocation we can prove, take back what rule 7
+        says, then purge the sender from the store (after the take-back, which looks its updates up there)."""
+        conflict = self.replica.bans.pop_conflict(sender)
         if conflict is not None:
             self._prove(sender, conflict)
         self._take_back(sender)

@@ -1,4 +1,5 @@
-"""The replica: a peer's copy of the global parameters `theta` and the merge rule (DESIGN.md sections 3, 7).
+"""The replica: a peer's copy of the global parameters `theta` and the merge rule (ARCHITECTURE.md,
+"The merge rule" and "Invariants").
 
 Protocol rules (identical on every peer; changing one changes the protocol):
 
@@ -32,8 +33,9 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    ban: its sender field cannot be trusted.
 5. `ban(sender, reason)` is public: the network side bans a sender on verified evidence from another peer
    (`Intake.accept_evidence`). Ban listeners (`UpdateStore.ban`, wired by `Intake.attach_store`) purge its
-   updates so they are never re-served.
-6. The lost-update trap (DESIGN.md section 4, "Repair"): if seq k of a sender is lost with every peer that
+   updates so they are never re-served. A ban is queued under the lock and its listeners run right after the
+   call that banned releases the lock, so a listener may call back (the take-back of rule 7 does).
+6. The lost-update trap (ARCHITECTURE.md "The network" (repair)): if seq k of a sender is lost with every peer that
    held it, its seqs k+1.. would wait forever. `expire_gaps(now_s)` skips a gap that has waited
    `gap_timeout_s` and spans at most `max_hole_span` seqs: the missing seqs become holes of `V`
    (`VersionVector.with_merged`) and the lowest buffered seq merges. If a hole's update turns up later it
@@ -50,8 +52,13 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    sender that split several slots leaves the same set everywhere: its seqs below the proven one.
 
 Threading: the network thread offers while the compute thread takes snapshots. Decoding and screening run
-outside the lock (the expensive part); the state is re-checked under the lock before the axpy, so two threads
-decoding the same update still merge it once.
+outside the lock (the expensive part, sync/screening.py); the state is re-checked under the lock before the
+axpy, so two threads decoding the same update still merge it once. Each update is decoded once on its way in:
+the sender passes the tensor it encoded (`offer(decoded=...)`), and a buffered update keeps the delta it was
+screened with (sync/pending.py, within the buffer's byte bound).
+
+The replica knows nothing of training: it is built from the run's spec (`Replica.from_spec`), with the
+peer's one codec.
 """
 
 from __future__ import annotations
@@ -60,109 +67,33 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 
-from p2p_diloco.sync.pending import PendingBuffer
+from p2p_diloco.sync.accumulator import Accumulator
+from p2p_diloco.sync.bans import MAX_CONFLICTS, Bans, delivers_bans  # noqa: F401 (MAX_CONFLICTS: re-exported)
+from p2p_diloco.sync.pending import PendingBuffer, Waiting
 from p2p_diloco.sync.robust import MergePolicy
+from p2p_diloco.sync.screening import Prepared, check_theta, header_ok, prepare, shaped_step
+from p2p_diloco.sync.types import Conflict, MergeOutcome, UpdateLike  # noqa: F401 (re-exported)
 from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.wire.codecs import Codec, get_codec
+
+if TYPE_CHECKING:
+    from p2p_diloco.config import RunSpec
 
 logger = logging.getLogger(__name__)
-
-_F32_MAX = float(torch.finfo(torch.float32).max)
-MAX_CONFLICTS = 16
-"""Equivocations whose updates are kept for `Intake` to turn into evidence (the most recent ones)."""
-
-
-class UpdateLike(Protocol):
-    """What the replica needs from an outer update (the wire envelope satisfies it)."""
-
-    @property
-    def sender(self) -> str: ...
-    @property
-    def seq(self) -> int:
-        """>= 1, contiguous per sender, starting at 1."""
-    @property
-    def update_id(self) -> bytes:
-        """Digest of the signed header: two different messages with the same (sender, seq) differ here."""
-    @property
-    def weight(self) -> float: ...
-    @property
-    def nbytes(self) -> int:
-        """Size on the wire."""
-
-
-class MergeOutcome(str, Enum):
-    MERGED = "merged"
-    BUFFERED = "buffered"
-    DUPLICATE = "duplicate"
-    EQUIVOCATION = "equivocation"
-    REJECTED_LAYOUT = "bad_layout"
-    REJECTED_NONFINITE = "rejected_nonfinite"
-    REJECTED_NORM = "norm_bound"
-    REJECTED_INVALID = "rejected_invalid"
-    REJECTED_BUFFER_FULL = "rejected_buffer_full"
-    REJECTED_BANNED = "rejected_banned"
-
-
-@dataclass(frozen=True)
-class Conflict:
-    """An equivocation this replica saw: the earlier message's id (and the message, if it was buffered)."""
-
-    seq: int
-    first_id: bytes
-    first: UpdateLike | None
-    second: UpdateLike
-
-
-@dataclass
-class _Prepared:
-    delta: Tensor | None = None
-    scaled: Tensor | None = None  # None with no rejection: shaped under the lock (centered_clip)
-    scale: float = 0.0
-    bound: float = 0.0  # max |scaled_i|
-    rejection: MergeOutcome | None = None
-
-
-def _check_theta(theta: Tensor) -> None:
-    if not isinstance(theta, Tensor) or theta.dim() != 1 or theta.dtype != torch.float32:
-        raise ValueError("theta must be a 1-D float32 tensor (all parameters flattened)")
-    if not bool(torch.isfinite(theta).all()):
-        raise ValueError("theta must be all finite")
-
-
-def _peak(t: Tensor) -> float:
-    """max |t_i| without allocating a full-size temporary."""
-    return float(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else 0.0
-
-
-def _header_ok(update: UpdateLike) -> bool:
-    try:
-        sender, seq, update_id, weight = update.sender, update.seq, update.update_id, update.weight
-        nbytes = update.nbytes
-    except AttributeError:
-        return False
-    return (isinstance(sender, str) and bool(sender)
-            and isinstance(seq, int) and not isinstance(seq, bool) and seq >= 1
-            and isinstance(update_id, bytes) and isinstance(nbytes, int) and nbytes >= 0
-            and isinstance(weight, (int, float)) and not isinstance(weight, bool))
-
 
 class Replica:
     """theta plus its version vector; `offer` merges updates under the rules above."""
 
-    def __init__(self, theta: Tensor, *, outer_lr: float, max_weight: float,
-                 decode: Callable[[UpdateLike], Tensor], max_buffered: int = 1024,
+    def __init__(self, theta: Tensor, *, outer_lr: float, max_weight: float, codec: Codec, max_buffered: int = 1024,
                  max_buffered_bytes: int = 512 << 20, max_sender_share: float = 0.25,
                  max_ids_per_sender: int = 4096, version_vector: VersionVector | None = None) -> None:
-        """Takes ownership of `theta` (merges write into it in place; clone it first to keep a copy)."""
-        _check_theta(theta)
+        """Takes ownership of `theta` (merges write into it in place; clone it first to keep a copy). `codec`
+        decodes every payload (the run's: `from_spec` builds it from the spec)."""
         if not (math.isfinite(outer_lr) and outer_lr >= 0 and math.isfinite(max_weight) and max_weight >= 0):
             raise ValueError(f"outer_lr and max_weight must be finite and >= 0, got {outer_lr}, {max_weight}")
         if max_ids_per_sender < 1:
@@ -176,18 +107,23 @@ class Replica:
         self.lock = threading.RLock()
         self.stats: dict[str, int] = {outcome.value: 0 for outcome in MergeOutcome}
         self.stats.update(holes_skipped=0, late_merged=0)
-        self.banned: set[str] = set()
-        self.evidence: dict[str, tuple[bytes, bytes]] = {}  # sender -> (earlier id, later id)
-        self.conflicts: OrderedDict[str, Conflict] = OrderedDict()
-        self._ban_listeners: list[Callable[[str], None]] = []
-        self._decode = decode
-        self._theta = theta.detach()
+        self.bans = Bans(self.lock)
+        self.banned, self.evidence, self.conflicts = self.bans.banned, self.bans.evidence, self.bans.conflicts
+        self.codec = codec
+        self._sum = Accumulator(theta)  # theta, summed into in place
         self._vv = version_vector if version_vector is not None else VersionVector()
         self._buffer = PendingBuffer(max_buffered, max_buffered_bytes, max_sender_share)  # waiting for a gap
         self._merged_ids: dict[str, dict[int, bytes]] = {}  # sender -> seq -> update_id, last max_ids seqs
-        # Upper bound on max|theta_i|, grown by max|delta_i| per merge (triangle inequality): lets the overflow
-        # guard of rule 4 skip a full pass over theta until the bound gets near the float32 range.
-        self._peak_bound = _peak(self._theta)
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None,
+                  version_vector: VersionVector | None = None) -> Replica:
+        """The replica of `spec`'s run: its merge constants and its codec (pass the peer's `codec` to share it;
+        built from the spec otherwise). `Intake` binds the rest of the spec's rules (`bind_rules`)."""
+        if codec is None:
+            codec = get_codec(spec.outer.codec, spec.outer.codec_block)
+        return cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec,
+                   version_vector=version_vector)
 
     def bind_rules(self, policy: MergePolicy, *, gap_timeout_s: float, max_hole_span: int,
                    clock: Callable[[], float] | None = None) -> None:
@@ -199,8 +135,9 @@ class Replica:
                 self.clock = clock
 
     def add_ban_listener(self, listener: Callable[[str], None]) -> None:
-        """Call `listener(sender)` on every ban (under the replica's lock: keep it short, never call back)."""
-        self._ban_listeners.append(listener)
+        """Call `listener(sender)` once for every ban, right after the call that banned releases the lock (or,
+        when that call ran under a caller's hold of the lock, after the next call that does): it may call back."""
+        self.bans.add_listener(listener)
 
     @property
     def version_vector(self) -> VersionVector:
@@ -209,7 +146,7 @@ class Replica:
     @property
     def theta(self) -> Tensor:
         """The live tensor; hold `lock` while reading it if merges may run concurrently."""
-        return self._theta
+        return self._sum.theta
 
     @property
     def n_buffered(self) -> int:
@@ -222,15 +159,17 @@ class Replica:
     def snapshot(self) -> tuple[Tensor, VersionVector]:
         """A consistent copy of (theta, V): the vector names exactly the updates summed into the copy."""
         with self.lock:
-            return self._theta.clone(), self._vv
+            return self._sum.theta.clone(), self._vv
 
+    @delivers_bans
     def offer(self, update: UpdateLike, *, check: Callable[[UpdateLike], str | None] | None = None,
-              now_s: float | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
+              now_s: float | None = None, decoded: Tensor | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
         """Offer one update. Returns its outcome and every update this call merged (it first, then any
         buffered successors it released), e.g. for re-announcing them. `check` runs after the (sender, seq)
         checks and before buffering or decoding; a reason from it is REJECTED_LAYOUT and bans the sender.
-        `now_s` (default: `clock()`) dates a new gap for `expire_gaps`."""
-        if not _header_ok(update):
+        `now_s` (default: `clock()`) dates a new gap for `expire_gaps`. `decoded`: the codec's output for this
+        payload, when the caller has it (the sender: the tensor it encoded), so it is not decoded again."""
+        if not header_ok(update):
             logger.warning("update rejected reason=malformed_header update=%r", update)
             with self.lock:
                 self._count(MergeOutcome.REJECTED_INVALID)
@@ -243,7 +182,7 @@ class Replica:
                 return outcome, []  # type: ignore[return-value]
         # Screened before it is buffered too: whatever we keep (and serve to others) passed every check that
         # depends on the update alone, so an honest relay never hands on a poisoned update.
-        prepared = self._prepare(update, screen_only=outcome is MergeOutcome.BUFFERED)
+        prepared = self._prepare(update, decoded, screen_only=outcome is MergeOutcome.BUFFERED)
         if outcome is MergeOutcome.BUFFERED:
             with self.lock:
                 if prepared.rejection is not None:
@@ -252,41 +191,32 @@ class Replica:
                         self._ban(update.sender, f"{outcome.value} seq={update.seq}")
                 else:
                     outcome = self._admit(update)  # re-check: others ran meanwhile
-                    if outcome is MergeOutcome.BUFFERED and not self._buffer.add(update, now_s):
+                    if outcome is MergeOutcome.BUFFERED and not self._buffer.add(update, now_s, prepared.delta):
                         outcome = MergeOutcome.REJECTED_BUFFER_FULL
                 if outcome is not None:
                     self._count(outcome)
                     return outcome, []
-            prepared = self._prepare(update)  # it became ready while we screened it (rare)
-        return self._merge_chain(update, now_s=now_s, prepared=prepared)
+            prepared = self._prepare(update, prepared.delta)  # it became ready while we screened it (rare)
+        return self._merge_chain(Waiting(update, None), now_s=now_s, prepared=prepared)
 
+    @delivers_bans
     def expire_gaps(self, now_s: float | None = None) -> tuple[list[UpdateLike], int]:
         """Skip every gap older than `gap_timeout_s` (rule 6). Returns (updates merged, seqs skipped)."""
         now_s = self.clock() if now_s is None else now_s
         if not math.isfinite(self.gap_timeout_s):
             return [], 0
-        ready: list[UpdateLike] = []
-        skipped = 0
         with self.lock:
-            for sender, since in list(self._buffer.gap_since.items()):
-                lowest = self._buffer.lowest(sender)
-                if lowest is None or now_s - since < self.gap_timeout_s:
-                    continue
-                span = lowest - self._vv.get(sender) - 1
-                if span > self.max_hole_span:
-                    continue  # too far behind for a skip: a state sync's job
-                self._buffer.gap_since[sender] = now_s  # a further gap behind this one waits its own timeout
-                ready.append(self._buffer.pop(sender, lowest))  # type: ignore[arg-type]
-                skipped += span
-                logger.warning("gap skipped sender=%s holes=%d..%d waited_s=%.0f", sender,
-                               lowest - span, lowest - 1, now_s - since)
+            ready = self._buffer.expired(now_s, self.gap_timeout_s, self._vv, self.max_hole_span)
         merged: list[UpdateLike] = []
-        for update in ready:
-            merged.extend(self._merge_chain(update, now_s=now_s, skip=True)[1])
+        for waiting, span, waited_s in ready:
+            logger.warning("gap skipped sender=%s holes=%d..%d waited_s=%.0f", waiting.update.sender,
+                           waiting.update.seq - span, waiting.update.seq - 1, waited_s)
+            merged.extend(self._merge_chain(waiting, now_s=now_s, skip=True)[1])
         with self.lock:
-            self.stats["holes_skipped"] += skipped
+            self.stats["holes_skipped"] += (skipped := sum(span for _, span, _ in ready))
         return merged, skipped
 
+    @delivers_bans
     def ban(self, sender: str, reason: str) -> bool:
         """Ban `sender` for the run (e.g. on verified evidence from another peer): its buffered updates are
         dropped, its later offers REJECTED_BANNED, ban listeners called. False if it was banned already."""
@@ -322,37 +252,35 @@ class Replica:
                 logger.warning("cannot take back an update under a receiver-dependent aggregation sender=%s "
                                "seq=%d", update.sender, update.seq)
                 return False
-            prepared = self._prepare(update)  # it passed every check when it merged, identically now
+            prepared = self._prepare(update, None)  # it passed every check when it merged, identically now
             if prepared.scaled is None:
                 return False
             vv = self._vv.without(update.sender, update.seq)  # may raise (hole bound): before theta changes
-            self._theta.add_(prepared.scaled)
-            self._peak_bound = _peak(self._theta)
+            self._sum.add(prepared.scaled)
             self._vv = vv
             del self._merged_ids[update.sender][update.seq]
             self.stats["unmerged"] = self.stats.get("unmerged", 0) + 1
         logger.warning("merged update taken back sender=%s seq=%d", update.sender, update.seq)
         return True
 
+    @delivers_bans
     def load(self, theta: Tensor, version_vector: VersionVector) -> list[UpdateLike]:
         """Replace the state (state sync, restart). Buffered updates the new state already includes are
         dropped; those it makes ready are merged and returned. Bans and evidence persist."""
-        _check_theta(theta)
-        if theta.shape != self._theta.shape:
-            raise ValueError(f"theta shape {tuple(theta.shape)} does not match replica {tuple(self._theta.shape)}")
+        check_theta(theta)
+        if theta.shape != self._sum.theta.shape:
+            raise ValueError(f"theta shape {tuple(theta.shape)} does not match replica {tuple(self._sum.theta.shape)}")
         with self.lock:
-            # Copy in place so references to the live tensor stay valid.
-            self._theta.copy_(theta)
+            self._sum.load(theta)
             self._vv = version_vector
-            self._peak_bound = _peak(self._theta)
             ready = self._buffer.drop_merged(version_vector)
             # The new theta was summed elsewhere (a donor, a peer we adopt, a checkpoint): which version of a
             # slot it holds is not ours to know, so no id is kept (rule 3: such seqs read as DUPLICATE, and
             # neither gossip's id digests nor `unmerge` may trust an id we merged before).
             self._merged_ids.clear()
         merged: list[UpdateLike] = []
-        for update in ready:
-            merged.extend(self._merge_chain(update, now_s=self.clock())[1])
+        for waiting in ready:
+            merged.extend(self._merge_chain(waiting, now_s=self.clock())[1])
         return merged
 
     def max_step(self) -> float:
@@ -361,6 +289,7 @@ class Replica:
         differ by at most d times this in every coordinate (the repair checks a peer's state against it)."""
         return self.outer_lr * self.max_weight * self.policy.step_ceiling
 
+    @delivers_bans
     def adopt(self, theta: Tensor, version_vector: VersionVector, held: Iterable[UpdateLike]) -> list[UpdateLike]:
         """The repair of rule 6: take a peer's state, then re-merge the updates we hold that it lacks
         (`held`, e.g. `store.missing_for(version_vector, ...)`). Returns every update merged."""
@@ -371,71 +300,42 @@ class Replica:
 
     # --- internals --------------------------------------------------------------------------------------
 
-    def _merge_chain(self, first: UpdateLike, *, now_s: float, skip: bool = False,
-                     prepared: _Prepared | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
+    def _merge_chain(self, first: Waiting, *, now_s: float, skip: bool = False,
+                     prepared: Prepared | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
         """Merge `first` (found ready under the lock) and then its buffered successors, in seq order."""
         merged: list[UpdateLike] = []
         outcome = MergeOutcome.MERGED
-        current: UpdateLike | None = first
+        current: Waiting | None = first
         while current is not None:
+            update = current.update
             if prepared is None:
-                prepared = self._prepare(current)  # outside the lock: the expensive part
+                prepared = self._prepare(update, current.decoded)  # outside the lock: the expensive part
             with self.lock:
                 # Re-check: another thread may have merged this seq (or banned the sender) while we decoded.
-                result = self._admit(current, allow_skip=skip and current is first)
+                result = self._admit(update, allow_skip=skip and current is first)
                 if result is MergeOutcome.BUFFERED:  # not ready after all (a load moved V): wait again
-                    result = MergeOutcome.BUFFERED if self._buffer.add(current, now_s) \
+                    result = MergeOutcome.BUFFERED if self._buffer.add(update, now_s, prepared.delta) \
                         else MergeOutcome.REJECTED_BUFFER_FULL
                 elif result is None:
-                    result = self._apply(current, prepared)
+                    result = self._apply(update, prepared)
                 prepared = None
                 self._count(result)
                 if current is first:
                     outcome = result
                 if result is not MergeOutcome.MERGED:
                     break
-                merged.append(current)
+                merged.append(update)
                 # Popped under the same lock as the merge: a successor offered concurrently is either here
                 # already or will find seq == V + 1 and merge itself; none is stranded.
-                current = self._buffer.pop(current.sender, self._vv.get(current.sender) + 1)
-                if current is None and self._buffer.has_sender(first.sender):
-                    self._buffer.gap_since[first.sender] = now_s  # a new gap starts now
+                current = self._buffer.pop(update.sender, self._vv.get(update.sender) + 1)
+                if current is None and self._buffer.has_sender(first.update.sender):
+                    self._buffer.gap_since[first.update.sender] = now_s  # a new gap starts now
         return outcome, merged
 
-    def _prepare(self, update: UpdateLike, *, screen_only: bool = False) -> _Prepared:
-        """Decode, check finiteness and the norm bound, shape and weight (rule 4, after the layout check).
-        `screen_only`: only the rejection (or none) is wanted."""
-        try:
-            weight = float(update.weight)
-        except OverflowError:  # an int weight beyond the float range
-            weight = math.inf
-        if not math.isfinite(weight):
-            return _Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
-        scale = self.outer_lr * min(max(weight, 0.0), self.max_weight)  # same clamp on every peer
-        try:
-            delta = self._decode(update)
-        except Exception as exc:  # a remote payload must never crash the peer (invariant 1)
-            logger.warning("update rejected reason=decode_error sender=%s seq=%d error=%r",
-                           update.sender, update.seq, exc)
-            return _Prepared(rejection=MergeOutcome.REJECTED_INVALID)
-        if not isinstance(delta, Tensor) or delta.shape != self._theta.shape:
-            return _Prepared(rejection=MergeOutcome.REJECTED_INVALID)
-        delta = delta.detach().to(device=self._theta.device, dtype=torch.float32)
-        if not bool(torch.isfinite(delta).all()):
-            return _Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
-        if self.policy.screen(delta):
-            return _Prepared(rejection=MergeOutcome.REJECTED_NORM)
-        if screen_only:
-            return _Prepared()
-        if not self.policy.deterministic:
-            return _Prepared(delta=delta, scale=scale)  # shaped against the window, under the lock
-        return self._scaled(delta, scale)
-
-    def _scaled(self, delta: Tensor, scale: float) -> _Prepared:
-        scaled = self.policy.shape(delta) * scale  # a new tensor: the decoder may return a buffer it owns
-        if not bool(torch.isfinite(scaled).all()):  # lr * w * delta can overflow float32
-            return _Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
-        return _Prepared(delta=delta, scaled=scaled, scale=scale, bound=_peak(scaled))
+    def _prepare(self, update: UpdateLike, decoded: Tensor | None, *, screen_only: bool = False) -> Prepared:
+        """Rule 4 after the layout check (sync/screening.py), with this replica's codec, policy and constants."""
+        return prepare(update, self._sum.theta, codec=self.codec, policy=self.policy, outer_lr=self.outer_lr,
+                       max_weight=self.max_weight, decoded=decoded, screen_only=screen_only)
 
     def _admit(self, update: UpdateLike, *, check: Callable[[UpdateLike], str | None] | None = None,
                 allow_skip: bool = False) -> MergeOutcome | None:
@@ -462,27 +362,17 @@ class Replica:
             return None
         return MergeOutcome.BUFFERED
 
-    def _apply(self, update: UpdateLike, prepared: _Prepared) -> MergeOutcome:
+    def _apply(self, update: UpdateLike, prepared: Prepared) -> MergeOutcome:
         """Under the lock: the axpy, or the rejection found by `_prepare`."""
         if prepared.rejection is None and prepared.scaled is None and prepared.delta is not None:
-            prepared = self._scaled(prepared.delta, prepared.scale)  # centered_clip: against the window now
+            prepared = shaped_step(prepared.delta, prepared.scale, self.policy)  # centered_clip: against the window now
         if prepared.rejection is not None or prepared.scaled is None:
             reason = prepared.rejection or MergeOutcome.REJECTED_INVALID
             self._ban(update.sender, f"{reason.value} seq={update.seq}")
             return reason
-        scaled, bound = prepared.scaled, prepared.bound
-        if self._peak_bound + bound > _F32_MAX:
-            self._peak_bound = _peak(self._theta)  # the cheap bound is too loose; measure
-        if self._peak_bound + bound > _F32_MAX:
-            trial = self._theta - scaled  # rare: the merge may overflow, so try it on a copy
-            if not bool(torch.isfinite(trial).all()):
-                self._ban(update.sender, f"overflow seq={update.seq}")
-                return MergeOutcome.REJECTED_NONFINITE
-            self._theta.copy_(trial)
-            self._peak_bound = _peak(self._theta)
-        else:
-            self._theta.sub_(scaled)
-            self._peak_bound += bound
+        if not self._sum.subtract(prepared.scaled, prepared.bound):
+            self._ban(update.sender, f"overflow seq={update.seq}")
+            return MergeOutcome.REJECTED_NONFINITE
         if update.seq in self._vv.holes(update.sender):
             self.stats["late_merged"] += 1
             logger.info("late merge of a skipped update sender=%s seq=%d", update.sender, update.seq)
@@ -496,23 +386,15 @@ class Replica:
 
     def _equivocation(self, sender: str, seq: int, known_id: bytes, known: UpdateLike | None,
                       update: UpdateLike) -> MergeOutcome:
-        self.evidence.setdefault(sender, (known_id, update.update_id))
-        if sender not in self.conflicts:
-            self.conflicts[sender] = Conflict(seq=seq, first_id=known_id, first=known, second=update)
-            while len(self.conflicts) > MAX_CONFLICTS:
-                self.conflicts.popitem(last=False)
+        self.bans.equivocation(sender, seq, known_id, known, update)
         self._ban(sender, f"equivocation seq={seq}")
         return MergeOutcome.EQUIVOCATION
 
     def _ban(self, sender: str, reason: str) -> None:
-        self.banned.add(sender)
+        """Under the lock: the ban; its listeners run after the lock is released (`delivers_bans`)."""
+        self.bans.ban(sender)
         dropped = self._buffer.drop_sender(sender)
         logger.warning("sender banned sender=%s reason=%s dropped_buffered=%d", sender, reason, dropped)
-        for listener in self._ban_listeners:
-            try:
-                listener(sender)
-            except Exception:  # a listener's bug must not undo or skip the ban
-                logger.exception("ban listener failed sender=%s", sender)
 
     def _count(self, outcome: MergeOutcome) -> None:
         self.stats[outcome.value] += 1

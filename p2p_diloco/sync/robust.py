@@ -1,6 +1,6 @@
-"""Robust merging: the norm bound, coordinate-wise clipping and CenteredClip (issue 5, DESIGN.md section 7).
+"""Robust merging: the norm bound, coordinate-wise clipping and CenteredClip (issue 5, ARCHITECTURE.md "Invariants").
 
-The rule that decides everything here (DESIGN.md section 3): replicas that merged the same set of updates
+The rule that decides everything here (ARCHITECTURE.md "The merge rule"): replicas that merged the same set of updates
 must be equal. A test that depends on what *this* receiver saw recently (e.g. "k times the median norm of the
 last updates I merged") is evaluated differently by receivers that saw different updates; where they decide
 differently one bans a sender the other keeps merging, and the replicas drift apart for good. So the hard
@@ -37,7 +37,7 @@ compressing it (train/outer.py), so the worst an unusually large honest update s
   a sign-flipped update needs, and so it is receiver-dependent: the window is what this replica merged
   recently, in its arrival order. Where no clipping happens (`|x - c| <= tau`) the update is merged exactly
   as sent, so replicas differ only by the clipped updates' `c` and `tau`: divergence is bounded per clipped
-  update and is left to the repair (DESIGN.md section 4). benchmarks/bench_poison.py measures it. Memory:
+  update and is left to the repair (ARCHITECTURE.md "The network"). benchmarks/bench_poison.py measures it. Memory:
   `clip_window` copies of the parameters; compute: `CLIP_ITERS` passes over the window per merge. A replica's
   first merge has nothing to be compared with: keep the norm bound on with it (the default).
 """

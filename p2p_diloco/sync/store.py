@@ -1,4 +1,4 @@
-"""Retention of recent updates, to serve pulls from peers (DESIGN.md section 4, "Gossip").
+"""Retention of recent updates, to serve pulls from peers (ARCHITECTURE.md "The network" (gossip)).
 
 Peers keep recent updates in bounded bytes; the oldest (by insertion) go first. A peer whose gap is older
 than what the swarm retains does a state sync instead: `oldest_seq` lets it see that a gap can no longer be
@@ -6,10 +6,13 @@ filled from us.
 
 Holes: a remote vector's holes (seqs it skipped, `VersionVector.holes`) are served like seqs above its entry,
 so anti-entropy fills them too. An update we merged, the remote skipped and we no longer hold can never reach
-it: `unservable_for` names those, and the repair is `Replica.adopt` (DESIGN.md section 4, "Repair").
+it: `unservable_for` names those, and the repair is `Replica.adopt` (ARCHITECTURE.md "The network" (repair)).
 
 Bans: `ban(sender)` drops a banned sender's updates and refuses new ones, so they are never served again
 (`Intake.attach_store` wires it to `Replica.ban`). The banned set is bounded (`MAX_BANNED`).
+
+Served as kept: an envelope is stored with its encoded bytes (`wire.envelope.retained`, which holds them once),
+so a pull serves them without encoding the update again.
 
 Thread-safe: the network loop adds and serves, while `Intake` (in worker threads) looks up the earlier message
 of an equivocation and bans; one lock guards every method.
@@ -21,8 +24,9 @@ import bisect
 import threading
 from collections import OrderedDict
 
-from p2p_diloco.sync.replica import UpdateLike
+from p2p_diloco.sync.types import UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector, unservable_merges
+from p2p_diloco.wire.envelope import OuterUpdate, retained
 
 MAX_BANNED = 100_000
 """Bound on remembered banned senders (older bans are forgotten first; the replica keeps its own set)."""
@@ -64,6 +68,8 @@ class UpdateStore:
                 return False
             while self._nbytes + size > self.max_bytes:
                 self._remove(next(iter(self._by_key)))
+            if isinstance(update, OuterUpdate):
+                update = retained(update)  # encoded once here, served as it is
             self._by_key[key] = (update, size)
             bisect.insort(self._seqs.setdefault(update.sender, []), update.seq)
             self._nbytes += size

@@ -1,12 +1,12 @@
 """Version vectors: which updates a replica holds.
 
-`V[sender]` is the highest `seq` of that sender merged into the replica (0 = none), as in DESIGN.md section 2,
+`V[sender]` is the highest `seq` of that sender merged into the replica (0 = none), as in ARCHITECTURE.md "Vocabulary",
 and `holes(sender)` are the seqs below it that were *skipped*, not merged. The merged set of a sender is
 therefore `{1..V[sender]} - holes(sender)`, and the vector names the exact set of merged updates: two
 replicas with equal vectors merged the same set (and are equal to fp tolerance). The vector drives
 staleness (`tau`), catch-up (`missing_from`, `holes`) and anti-entropy (`digest`).
 
-Holes (the lost-update trap, DESIGN.md section 4 "Repair"): merges per sender are contiguous except where a
+Holes (the lost-update trap, ARCHITECTURE.md "The network" (repair)): merges per sender are contiguous except where a
 replica gave up waiting for a seq that no live peer could serve (`Replica.expire_gaps`). It then records that
 seq as a hole and merges the later ones; if the missing update turns up after all, it is merged late and the
 hole is filled (`with_merged`). A sum commutes, so a late merge gives exactly the replica that merged in order,
@@ -250,7 +250,7 @@ class VersionVector(Mapping[str, int]):
         return True
 
     def staleness(self, base: VersionVector) -> int:
-        """`tau`: updates merged here and not in `base` (DESIGN.md section 2); without holes
+        """`tau`: updates merged here and not in `base` (ARCHITECTURE.md "Vocabulary"); without holes
         `sum_k max(0, self[k] - base[k])`."""
         tau = 0
         for sender, seq in self._entries.items():
@@ -315,7 +315,7 @@ def unservable_merges(local: VersionVector, remote: VersionVector,
     """Updates `local` merged that `remote` skipped (holes) and that we cannot serve (`holds` is False).
 
     Pulls can never make the two replicas equal then: the remote will never get the update, and we cannot
-    un-merge it without its payload. The repair (DESIGN.md section 4, "Repair") is that the side that merged
+    un-merge it without its payload. The repair (ARCHITECTURE.md "The network" (repair)) is that the side that merged
     it adopts the state of the side that skipped it (`Replica.adopt`) and re-merges what it holds beyond
     that state. The skipping side never yields for this reason, so the repair goes one way and terminates.
     """

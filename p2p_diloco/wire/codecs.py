@@ -9,7 +9,7 @@ Codecs: "fp32" (raw), "fp16" (half precision), "int8" and "int4" (blockwise absm
 QSGD-style and bitsandbytes-style block quantizers). All byte layouts are little-endian.
 
 Rule for every codec: `decompress` returns only finite values or raises `CodecError`, so nothing a remote peer
-sends can put a NaN or an infinity into a replica (DESIGN.md section 7, invariant 1).
+sends can put a NaN or an infinity into a replica (ARCHITECTURE.md "Invariants", 1).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-CODEC_NAMES = ("fp32", "fp16", "int8", "int4")
+from p2p_diloco.config.spec import CODECS as CODEC_NAMES  # one list: `outer.codec` is checked against it
 
 FP16_MAX = 65504.0
 # Smallest normal float32. Block scales are floored here so that 1/scale stays finite and the scale keeps full

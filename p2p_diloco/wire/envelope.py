@@ -1,4 +1,5 @@
-"""The signed outer update: what one learner unit publishes after an inner phase (DESIGN.md sections 3-4).
+"""The signed outer update: what one learner unit publishes after an inner phase (ARCHITECTURE.md,
+"One outer update's life").
 
 Wire format (msgpack):
     envelope = {"v": FORMAT_VERSION, "h": header_bytes, "s": signature, "p": payload}
@@ -8,7 +9,7 @@ Wire format (msgpack):
 
 The signature covers the header and, through `payload_digest` (sha256), the payload. `decode_update` checks size,
 shape, version, header, run, spec, signature and digest, in that order and before any payload is decompressed, so
-a receiver spends at most one hash and one signature check on a message it will reject (DESIGN.md section 7).
+a receiver spends at most one hash and one signature check on a message it will reject (ARCHITECTURE.md "Invariants").
 
 Protocol rule: `(sender, seq)` names a slot, `update_id = sha256(header_bytes)` names its content. Two valid
 updates with the same slot and different ids are equivocation, evidence against the sender.
@@ -97,7 +98,8 @@ _HEADER_FIELDS = len(UpdateHeader.__dataclass_fields__)
 
 @dataclass(frozen=True)
 class OuterUpdate:
-    """A header, its exact encoded bytes, the sender's signature over them, and the compressed payload."""
+    """A header, its exact encoded bytes, the sender's signature over them, and the compressed payload (bytes; a
+    read-only memoryview of the envelope in a `retained` update)."""
 
     header: UpdateHeader
     header_bytes: bytes
@@ -125,6 +127,24 @@ class OuterUpdate:
     def update_id(self) -> bytes:
         """sha256 of the signed header bytes: equal ids mean the same update."""
         return hashlib.sha256(self.header_bytes).digest()
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """The envelope as sent (see the module docstring), built once per update: `encode_update`."""
+        return msgpack.packb({"v": FORMAT_VERSION, "h": self.header_bytes, "s": self.signature, "p": self.payload},
+                             use_bin_type=True)
+
+
+def retained(u: OuterUpdate) -> OuterUpdate:
+    """`u` for a long stay (the update store): it keeps its encoded envelope, served as it is, and holds its
+    bytes once: the payload becomes a read-only view into the envelope, which ends with it (msgpack writes the
+    map in order, "p" last)."""
+    data = u.encoded
+    if not data.endswith(u.payload):  # cannot happen with the encoding above; keep both copies if it does
+        return u
+    kept = OuterUpdate(u.header, u.header_bytes, u.signature, memoryview(data)[len(data) - len(u.payload):])
+    kept.__dict__["encoded"] = data  # the cached_property's slot: a frozen dataclass still has a __dict__
+    return kept
 
 
 def sign_blob(identity: Identity, domain: bytes, blob: bytes) -> bytes:
@@ -173,8 +193,8 @@ def make_update(*, run_id: str, spec_hash: str, seq: int, tau: int, samples: int
 
 
 def encode_update(u: OuterUpdate) -> bytes:
-    return msgpack.packb({"v": FORMAT_VERSION, "h": u.header_bytes, "s": u.signature, "p": u.payload},
-                         use_bin_type=True)
+    """The envelope's bytes (cached on the update: encoding it again costs nothing)."""
+    return u.encoded
 
 
 def decode_update(data: bytes, *, max_bytes: int, run_id: str | None = None,

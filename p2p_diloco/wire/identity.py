@@ -2,7 +2,7 @@
 
 A peer's key is stored in libp2p's protobuf `PrivateKey` format, which hivemind's daemon (p2pd) accepts as
 `identity_path`. Its PeerID is an identity multihash of the protobuf `PublicKey` ("12D3KooW..." in base58btc), so
-a signature can be checked against the PeerID alone, with no PKI and no key exchange (DESIGN.md section 4).
+a signature can be checked against the PeerID alone, with no PKI and no key exchange (ARCHITECTURE.md "The network").
 
 The protobufs involved are fixed byte layouts for Ed25519 and are written by hand:
     PublicKey  = 08 01 12 20 <32-byte public key>                  (KeyType=Ed25519, Data)

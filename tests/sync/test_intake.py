@@ -48,7 +48,7 @@ def envelope(u: OuterUpdate, *, v: int = 1, signature: bytes | None = None, payl
 
 def make_intake(spec: RunSpec = SPEC, **kw: object) -> Intake:
     replica = Replica(torch.zeros(NUMEL), outer_lr=0.7, max_weight=1.0,
-                      decode=lambda u: CODEC.decompress(u.payload, u.header.numel))
+                      codec=CODEC)
     return Intake(spec, NUMEL, replica, **kw)
 
 

@@ -6,7 +6,7 @@ import hashlib
 import random
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pytest
@@ -42,8 +42,18 @@ def make(sender: str, seq: int, weight: float = 1.0, seed: int = 0, variant: int
     return FakeUpdate(sender, seq, uid, weight, tuple(payload))
 
 
-def decode(update: FakeUpdate) -> torch.Tensor:
-    return torch.tensor(update.payload, dtype=torch.float32)
+class FnCodec:
+    """A codec for the fake updates: `decompress` is `fn(payload)` (the replica passes the payload alone)."""
+
+    def __init__(self, fn: Callable[[tuple[float, ...]], object]) -> None:
+        self.fn = fn
+
+    def decompress(self, data: tuple[float, ...], numel: int) -> object:
+        return self.fn(data)
+
+
+def decode(payload: tuple[float, ...]) -> torch.Tensor:
+    return torch.tensor(payload, dtype=torch.float32)
 
 
 def theta0() -> torch.Tensor:
@@ -51,7 +61,7 @@ def theta0() -> torch.Tensor:
 
 
 def replica(**kwargs: object) -> Replica:
-    args: dict = dict(outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, decode=decode)
+    args: dict = dict(outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec(decode))
     args.update(kwargs)
     return Replica(theta0(), **args)
 
@@ -215,7 +225,7 @@ def test_nonfinite_weight_is_refused() -> None:
 
 
 def test_merge_that_would_overflow_theta_is_refused() -> None:
-    r = Replica(torch.full((DIM,), 3e38), outer_lr=1.0, max_weight=1.0, decode=decode)
+    r = Replica(torch.full((DIM,), 3e38), outer_lr=1.0, max_weight=1.0, codec=FnCodec(decode))
     assert r.offer(make("a", 1, payload=[-3e38] * DIM))[0] is MergeOutcome.REJECTED_NONFINITE
     assert torch.equal(r.theta, torch.full((DIM,), 3e38)) and r.version_vector.total() == 0
     assert r.offer(make("b", 1, payload=[3e38] * DIM))[0] is MergeOutcome.MERGED  # back towards 0 is fine
@@ -233,7 +243,7 @@ def test_poisoned_update_is_refused_before_it_is_buffered() -> None:
 
 def test_successor_failing_at_merge_stops_the_release_chain() -> None:
     # Finite on its own, overflowing on this theta: found only at merge time.
-    r = Replica(torch.full((DIM,), 3e38), outer_lr=1.0, max_weight=1.0, decode=decode)
+    r = Replica(torch.full((DIM,), 3e38), outer_lr=1.0, max_weight=1.0, codec=FnCodec(decode))
     u1, u3 = make("a", 1, payload=[1.0] * DIM), make("a", 3, payload=[1.0] * DIM)
     assert r.offer(make("a", 2, payload=[-3e38] * DIM))[0] is MergeOutcome.BUFFERED
     r.offer(u3)
@@ -251,13 +261,13 @@ def test_weight_is_clamped() -> None:
     assert torch.equal(r3.theta, theta0()) and r3.version_vector.get("a") == 1
 
 
-def raises(_: FakeUpdate) -> torch.Tensor:
+def raises(_: tuple[float, ...]) -> torch.Tensor:
     raise ValueError("corrupt payload")
 
 
 @pytest.mark.parametrize("bad_decode", [raises, lambda u: torch.zeros(DIM + 1), lambda u: "not a tensor"])
 def test_undecodable_update_is_refused(bad_decode) -> None:  # noqa: ANN001
-    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, decode=bad_decode)
+    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec(bad_decode))
     assert r.offer(make("a", 1)) == (MergeOutcome.REJECTED_INVALID, [])
     assert torch.equal(r.theta, theta0()) and "a" in r.banned
 
@@ -305,9 +315,9 @@ def test_load_replaces_state_and_releases_ready_buffered_updates() -> None:
         r.load(torch.full((DIM,), float("nan")), VersionVector())
 
 
-def slow_decode(update: FakeUpdate) -> torch.Tensor:
+def slow_decode(payload: tuple[float, ...]) -> torch.Tensor:
     time.sleep(0.0002)  # widen the window between decode and merge so threads interleave
-    return decode(update)
+    return decode(payload)
 
 
 def test_concurrent_offers_on_disjoint_senders_equal_sequential_merge() -> None:
@@ -315,7 +325,7 @@ def test_concurrent_offers_on_disjoint_senders_equal_sequential_merge() -> None:
     sequential = replica()
     for u in updates:
         sequential.offer(u)
-    r = replica(decode=slow_decode)
+    r = replica(codec=FnCodec(slow_decode))
     halves = [[u for u in updates if u.sender in ("a", "b")], [u for u in updates if u.sender in ("c", "d")]]
     snapshots: list[tuple[torch.Tensor, VersionVector]] = []
     done = threading.Event()
@@ -351,7 +361,7 @@ def test_concurrent_offers_on_disjoint_senders_equal_sequential_merge() -> None:
 
 def test_concurrent_offers_of_the_same_updates_merge_each_once() -> None:
     updates = [make(s, q, seed=10 * q + i) for i, s in enumerate(SENDERS[:2]) for q in range(1, 21)]
-    r = replica(decode=slow_decode)
+    r = replica(codec=FnCodec(slow_decode))
     merged: list[list[FakeUpdate]] = [[], []]
     start = threading.Barrier(2)
 
@@ -557,3 +567,15 @@ def test_centered_clip_merges_unclipped_updates_exactly() -> None:
     clipped.offer(outlier)
     plain.offer(outlier)
     assert float(clipped.theta.abs().max()) < float(plain.theta.abs().max()) / 10
+
+
+def test_each_update_is_decoded_once() -> None:
+    """A buffered update keeps the delta it was screened with; a sender's own update brings its tensor."""
+    calls: list[tuple[float, ...]] = []
+    r = replica(codec=FnCodec(lambda p: (calls.append(p), decode(p))[1]))
+    later, first = make("a", 2), make("a", 1)
+    assert r.offer(later)[0] is MergeOutcome.BUFFERED and r.offer(first)[0] is MergeOutcome.MERGED
+    assert len(calls) == 2 and r.version_vector.get("a") == 2
+    own = make("b", 1)
+    assert r.offer(own, decoded=decode(own.payload))[0] is MergeOutcome.MERGED and len(calls) == 2
+    assert torch.allclose(r.theta, reference([later, first, own]))

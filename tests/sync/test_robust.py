@@ -157,13 +157,13 @@ def test_defence_config_round_trips_and_refuses_bad_values() -> None:
 
 
 def test_defence_options_are_on_the_command_line() -> None:
-    import argparse
+    from p2p_diloco.cli.args import ArgumentParser, add_config_args, apply_args
+    from p2p_diloco.cli.options import join_options
 
-    from p2p_diloco.cli.args import add_dataclass_args, apply_args
-
-    parser = argparse.ArgumentParser()
-    add_dataclass_args(parser, type(SPEC), SPEC, title="spec", dest="spec")
-    args = parser.parse_args(["--aggregation", "coord_clip", "--norm-bound", "2", "--allowed-senders", "a,b"])
-    spec = apply_args(SPEC, args, "spec")
+    parser = ArgumentParser()
+    add_config_args(parser, join_options("test"))
+    args = parser.parse_args(["--aggregation", "coord_clip", "--spec.defence.norm-bound", "2",
+                              "--allowed-senders", "a,b"])
+    spec = apply_args(SPEC, args, "join__spec")
     assert (spec.defence.aggregation, spec.defence.norm_bound, spec.defence.allowed_senders) == \
         ("coord_clip", 2.0, ("a", "b"))

@@ -20,6 +20,7 @@ from p2p_diloco.wire.envelope import (
     decode_update,
     encode_update,
     make_update,
+    retained,
     sign_blob,
     verify_blob,
 )
@@ -262,3 +263,10 @@ def test_arbitrary_msgpack_raises_only_wire_error(obj: Any) -> None:
         return
     with pytest.raises(WireError):
         decode_update(data, max_bytes=MAX)
+
+
+def test_retained_update_holds_its_envelope_once() -> None:
+    u = _update()
+    kept = retained(u)
+    assert kept == u and kept.update_id == u.update_id and encode_update(kept) is kept.encoded
+    assert encode_update(kept) == encode_update(u) and decode_update(kept.encoded, max_bytes=MAX) == u

@@ -1,0 +1,92 @@
+"""Screening one update before it merges (rule 4 of sync/replica.py, after the layout check): decode with
+the run's codec, all values finite, the norm bound, then shape and weight. Pure: no lock, no replica state but
+what the caller passes, so the replica runs it outside its lock (the expensive part)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from p2p_diloco.sync.robust import MergePolicy
+from p2p_diloco.sync.types import MergeOutcome, UpdateLike
+from p2p_diloco.wire.codecs import Codec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """An update screened for merging: its decoded delta and the scaled step, or why it is rejected."""
+
+    delta: Tensor | None = None
+    scaled: Tensor | None = None  # None with no rejection: shaped under the lock (centered_clip), or screen only
+    scale: float = 0.0
+    bound: float = 0.0  # max |scaled_i|
+    rejection: MergeOutcome | None = None
+
+
+def check_theta(theta: Tensor) -> None:
+    if not isinstance(theta, Tensor) or theta.dim() != 1 or theta.dtype != torch.float32:
+        raise ValueError("theta must be a 1-D float32 tensor (all parameters flattened)")
+    if not bool(torch.isfinite(theta).all()):
+        raise ValueError("theta must be all finite")
+
+
+def peak(t: Tensor) -> float:
+    """max |t_i| without allocating a full-size temporary."""
+    return float(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else 0.0
+
+
+def header_ok(update: UpdateLike) -> bool:
+    try:
+        sender, seq, update_id, weight = update.sender, update.seq, update.update_id, update.weight
+        nbytes = update.nbytes
+    except AttributeError:
+        return False
+    return (isinstance(sender, str) and bool(sender)
+            and isinstance(seq, int) and not isinstance(seq, bool) and seq >= 1
+            and isinstance(update_id, bytes) and isinstance(nbytes, int) and nbytes >= 0
+            and isinstance(weight, (int, float)) and not isinstance(weight, bool))
+
+
+def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePolicy, outer_lr: float,
+            max_weight: float, decoded: Tensor | None = None, screen_only: bool = False) -> Prepared:
+    """Decode (unless `decoded`, the same codec's output for this payload, is given), check finiteness and the
+    norm bound, shape and weight. `screen_only`: the rejection (or none) and the decoded delta, nothing more."""
+    try:
+        weight = float(update.weight)
+    except OverflowError:  # an int weight beyond the float range
+        weight = math.inf
+    if not math.isfinite(weight):
+        return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
+    scale = outer_lr * min(max(weight, 0.0), max_weight)  # same clamp on every peer
+    delta: object = decoded
+    if delta is None:
+        try:  # bounded output: the size is the RunSpec's (theta's), whatever the header claims
+            delta = codec.decompress(update.payload, theta.numel())
+        except Exception as exc:  # a remote payload must never crash the peer (invariant 1)
+            logger.warning("update rejected reason=decode_error sender=%s seq=%d error=%r",
+                           update.sender, update.seq, exc)
+            return Prepared(rejection=MergeOutcome.REJECTED_INVALID)
+    if not isinstance(delta, Tensor) or delta.shape != theta.shape:
+        return Prepared(rejection=MergeOutcome.REJECTED_INVALID)
+    delta = delta.detach().to(device=theta.device, dtype=torch.float32)
+    if not bool(torch.isfinite(delta).all()):
+        return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
+    if policy.screen(delta):
+        return Prepared(rejection=MergeOutcome.REJECTED_NORM)
+    if screen_only or not policy.deterministic:
+        return Prepared(delta=delta, scale=scale)  # centered_clip: shaped against the window, under the lock
+    return shaped_step(delta, scale, policy)
+
+
+def shaped_step(delta: Tensor, scale: float, policy: MergePolicy) -> Prepared:
+    """The step a merge subtracts: `scale * shape(delta)`, or REJECTED_NONFINITE if that overflows."""
+    step = policy.shape(delta) * scale  # a new tensor: the decoder may return a buffer it owns
+    if not bool(torch.isfinite(step).all()):  # lr * w * delta can overflow float32
+        return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
+    return Prepared(delta=delta, scaled=step, scale=scale, bound=peak(step))
