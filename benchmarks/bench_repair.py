@@ -76,7 +76,7 @@ async def case(nodes: list[tuple[SwarmNode, Identity]], numel: int, kind: str, b
     units = []
     for i, (node, identity) in enumerate(nodes):
         replica = Replica(base.clone(), outer_lr=SPEC.outer.outer_lr, max_weight=SPEC.outer.max_weight,
-                          decode=lambda u: CODEC.decompress(u.payload, u.header.numel))
+                          codec=CODEC)
         intake = Intake(SPEC, numel, replica)
         store = UpdateStore(GOSSIP.retained_bytes)
         for u in (s_up if i == 0 else [s_up[0], s_up[2]]) + h_up:
@@ -95,7 +95,7 @@ async def case(nodes: list[tuple[SwarmNode, Identity]], numel: int, kind: str, b
                             known=lambda u=u: u.services[1].known_vectors(), members=lambda o=others: o,
                             grace_s=0.0, cooldown_s=0.0)
         gossip = Gossip(u.node, SPEC.run_id, u.intake, u.store, GOSSIP, peers=lambda o=others: o,
-                        on_unservable=repair.consider if repair else None)
+                        on_vector=repair.observe if repair else None)
         server = SnapshotServer(u.node, SPEC.run_id, SPEC.spec_hash(), u.replica, u.identity, SYNC)
         u.services = [repair, gossip, server]
         await gossip.start()

@@ -34,7 +34,7 @@ async def bench(numel: int, variants: list[tuple[float, int]]) -> None:
             peers = tuple(nodes[0].visible_maddrs()) if nodes else ()
             nodes.append(await SwarmNode.start(path, NodeConfig(initial_peers=peers, start_timeout_s=30)))
             identities.append(identity)
-        replica = Replica(torch.randn(numel), outer_lr=0.7, max_weight=1.0, decode=None,
+        replica = Replica(torch.randn(numel), outer_lr=0.7, max_weight=1.0, codec=None,  # type: ignore[arg-type]  # serves snapshots only
                           version_vector=VersionVector({identities[0].peer_id: 5}))
         print(f"# {time.strftime('%Y-%m-%d')} snapshot of {numel / 1e6:.0f}M parameters = {numel * 4 / 1e6:.0f} MB\n"
               "| chunk | in flight | snapshot | seconds | MB/s |\n|---|---|---|---|---|")

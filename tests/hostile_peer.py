@@ -272,7 +272,7 @@ class HostilePeer:
         theta = 0.01 * torch.randn(self.numel, generator=self._generator)
         fake_vv = VersionVector({self.signer().peer_id: 1_000_000})
         replica = Replica(theta, outer_lr=self.spec.outer.outer_lr, max_weight=self.spec.outer.max_weight,
-                          decode=lambda u: torch.zeros(self.numel), version_vector=fake_vv)
+                          codec=self.codec, version_vector=fake_vv)
         self.snapshot_server = PoisonedSnapshotServer(self.node, self.spec.run_id, self.spec_hash, replica,
                                                       self.identity, StateSyncConfig(chunk_bytes=64 << 10))
         await self.snapshot_server.start()

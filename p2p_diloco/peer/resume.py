@@ -95,20 +95,16 @@ async def catch_up(network: Any, learner: Any, *, stall_s: float, max_s: float,
 
 
 async def _state_sync(network: Any, learner: Any, donors: list[str], on_sync: Callable[[], int]) -> str:
-    from p2p_diloco.net.statesync.client import StateSyncError, fetch_snapshot
+    from p2p_diloco.net.statesync.client import StateSyncError
 
     logger.info("catch-up stalled: the gap is older than the peers retain; state sync from %d donor(s)",
                 len(donors))
     try:
-        theta, vv, donor = await fetch_snapshot(network.node, network.run_id, network.spec_hash, donors,
-                                                learner.numel, network.sync_config,
-                                                guard=network.guard)
+        donor, _, _ = await network.load_snapshot(learner, donors)  # PeerNetwork's one state-sync path
     except StateSyncError as e:
         logger.warning("catch-up state sync failed (training anyway; gossip goes on) error=%s", e)
         return "sync_failed"
-    learner.replica.load(theta, vv)
     on_sync()  # our own journaled updates the snapshot lacks; m, e, optimizer, data, seq stay ours
-    network.sync_donor = donor
     await network.gossip.request_pull(donor)
     return "state_sync"
 

@@ -2,7 +2,7 @@
 
 Nodes start once per module on one event loop in a background thread; each test starts its own Gossip
 instances on them and stops them in `finally`. The standard assertion: replicas that hold the same updates
-are equal (DESIGN.md section 7), and equal to merging each update exactly once.
+are equal (ARCHITECTURE.md "Invariants"), and equal to merging each update exactly once.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import msgpack
 import pytest
@@ -62,13 +61,9 @@ class Peer:
         return self.replica.version_vector
 
 
-def _decode(update: Any) -> torch.Tensor:
-    return CODEC.decompress(update.payload, update.header.numel)
-
-
 def _replica() -> Replica:
     return Replica(torch.linspace(-1.0, 1.0, NUMEL), outer_lr=SPEC.outer.outer_lr, max_weight=SPEC.outer.max_weight,
-                   decode=_decode)
+                   codec=CODEC)
 
 
 def _updates(identity: Identity, count: int, seed: int) -> list[OuterUpdate]:
@@ -136,7 +131,8 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> fl
     return time.monotonic() - started
 
 
-def assert_replicas_agree(peers: list[Peer], updates: list[OuterUpdate]) -> None:
+def assert_replicas_match_reference(peers: list[Peer], updates: list[OuterUpdate]) -> None:
+    """Every in-process replica merged exactly `updates`, once each, and equals a replica that merged them in order."""
     reference = _reference(updates)
     for peer in peers:
         assert peer.vv == reference.version_vector
@@ -160,7 +156,7 @@ def test_updates_reach_every_peer_by_announce_and_pull(loop, members) -> None:
                                             10, "one update to reach every peer"))
         everything = [u for us in updates.values() for u in us]
         wait_until(lambda: all(p.vv.total() == len(everything) for p in peers), 10, "all updates everywhere")
-        assert_replicas_agree(peers, everything)
+        assert_replicas_match_reference(peers, everything)
         for peer in peers:
             stats = peer.gossip.stats
             assert stats["announces_received"] > 0 and stats["pulls"] > 0 and stats["pull_failures"] == 0
@@ -181,7 +177,7 @@ def test_anti_entropy_reaches_a_peer_nobody_announces_to(loop, members) -> None:
         for update in everything:
             publish(loop, a if update.sender == a.node.peer_id else b, update)
         wait_until(lambda: all(p.vv.total() == len(everything) for p in peers), 15, "C to catch up")
-        assert_replicas_agree(peers, everything)
+        assert_replicas_match_reference(peers, everything)
         assert c.gossip.stats["announces_received"] == 0
         assert c.gossip.stats["updates_new"] == len(everything)
 
@@ -198,7 +194,7 @@ def test_request_pull_catches_up_at_once(loop, members) -> None:
         assert b.vv.total() == 0
         loop.run(b.gossip.request_pull(a.node.peer_id))
         wait_until(lambda: b.vv.total() == len(everything), 5, "B to pull A's updates")
-        assert_replicas_agree([a, b], everything)
+        assert_replicas_match_reference([a, b], everything)
 
 
 def test_out_of_order_updates_are_buffered_then_released(loop, members) -> None:
@@ -264,7 +260,7 @@ def test_a_hung_then_vanished_peer_does_not_stall_gossip(loop, members, tmp_path
                 before = _pull_failures(peers)
                 wait_until(lambda b=before: _pull_failures(peers) > b, 10,
                            f"anti-entropy pulls from the {phase} D to fail")
-            assert_replicas_agree(peers, sent)
+            assert_replicas_match_reference(peers, sent)
             assert sum(p.gossip.stats["announce_failures"] for p in peers) >= 3
     finally:
         loop.loop.call_soon_threadsafe(release.set)  # let D's hanging handlers end before the loop closes

@@ -1,4 +1,4 @@
-"""Replica repair on real SwarmNodes (127.0.0.1, port 0): issue 4's second trap, DESIGN.md section 4.
+"""Replica repair on real SwarmNodes (127.0.0.1, port 0): issue 4's second trap, ARCHITECTURE.md "The network".
 
 Sender S published seqs 1-3. Peer A merged all three, but no longer holds S#2 (it restarted, or evicted it);
 peers B and C never got S#2, waited out the gap and skipped it (a hole), then merged S#3. Vectors now differ
@@ -92,7 +92,7 @@ def serving(loop: LoopThread, units: list[Unit], grace_s: float = 0.0) -> Iterat
                               known=lambda u=u: u.gossip.known_vectors(), members=lambda o=others: o, guard=u.guard,
                               grace_s=grace_s, cooldown_s=0.0)
             u.gossip = Gossip(u.member.node, SPEC.run_id, u.intake, u.store, GOSSIP, peers=lambda o=others: o,
-                              guard=u.guard, on_unservable=u.repair.consider)
+                              guard=u.guard, on_vector=u.repair.observe)
             u.server = SnapshotServer(u.member.node, SPEC.run_id, SPEC.spec_hash(), u.replica, u.member.identity,
                                       SYNC, guard=u.guard)
             loop.run(u.gossip.start())

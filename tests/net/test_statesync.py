@@ -32,6 +32,7 @@ from p2p_diloco.net.statesync.server import SnapshotServer
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import sign_blob
 from p2p_diloco.wire.identity import Identity
 
@@ -49,7 +50,7 @@ def _replica(seed: int, numel: int = NUMEL) -> Replica:
     senders = [Identity.generate().peer_id for _ in range(3)]
     vv = VersionVector({s: seed + i + 1 for i, s in enumerate(senders)})
     return Replica(theta, outer_lr=SPEC.outer.outer_lr, max_weight=SPEC.outer.max_weight,
-                   decode=lambda u: torch.zeros(numel), version_vector=vv)
+                   codec=get_codec(SPEC.outer.codec, SPEC.outer.codec_block), version_vector=vv)
 
 
 class Fault(Enum):

@@ -1,6 +1,6 @@
 """Discovery on the hivemind DHT: the run's spec, and one signed, expiring record per live peer.
 
-Keys (DESIGN.md section 4):
+Keys (ARCHITECTURE.md "The network"):
     p2p-diloco/<run_id>/spec    regular value: msgpack {"spec": dict, "spec_hash": str}, stored with a far expiry
                                 by the first peer and re-stored by every peer that holds the same spec
     p2p-diloco/<run_id>/peers   one subkey per peer, the subkey being its PeerID string; the value is

@@ -27,19 +27,14 @@ Records come from the network: every reader treats every field as untrusted (`nu
 The optional fields (vv, offenders, dht_rejected, rejected_by) are dropped, in that order, when a record
 would not fit the DHT's size limit (`fit_record`).
 
-What a peer writes for people and tests: one line per round (`round_line`), a JSON log (`JsonLog`, one object
-per event: start, sync, eval, round, linger, final) and its final state (`save_state`).
+What the peer process writes for people (round lines, JSON log, final state) lives in peer/output.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -129,13 +124,6 @@ def short_id(peer_id: str) -> str:
     return peer_id[-8:] if len(peer_id) > 8 else peer_id
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def _fmt(value: float | None, spec: str, empty: str = "-") -> str:
     return empty if value is None else format(value, spec)
 
@@ -181,47 +169,3 @@ def rejection_details(records: Mapping[str, dict]) -> str:
                 detail = ", ".join(f"{k} {n}" for k, n in counts({"x": reasons}, "x", limit=16).items())
                 lines.append(f"    from {short_id(offender)}: {detail}")
     return "\n".join(lines)
-
-
-def round_line(stats: Mapping[str, Any]) -> str:
-    """The one line a peer prints per round."""
-    eval_loss = stats.get("eval_loss")
-    return (f"round {stats['round']:>4}  step {stats['step']:>6}  loss {stats['loss']:.3f}  "
-            f"eval {_fmt(eval_loss, '.3f', '  -  ')}  peers {stats['peers']}  tau {stats['tau']}  "
-            f"V {stats['vv_total']}  sent {fmt_bytes(stats['bytes_sent'])}  merged {stats['merged']}  "
-            f"rejected {stats['rejected']}  util {stats['utilization']:.0%}")
-
-
-class JsonLog:
-    """One JSON object per line, flushed at once (tests and the local-swarm example tail it)."""
-
-    def __init__(self, path: str) -> None:
-        self._file = None
-        if path:
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(path).expanduser(), "a", encoding="utf-8")  # closed in close()
-
-    def write(self, event: str, **fields: Any) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-def save_state(out_dir: str, theta: Any, version_vector: Any, extra: dict) -> tuple[Path, Path]:
-    """Write theta.pt and version_vector.json into `out_dir`, each atomically (temp file + rename)."""
-    import torch
-
-    folder = Path(out_dir).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    theta_path, vv_path = folder / "theta.pt", folder / "version_vector.json"
-    torch.save(theta, theta_path.with_suffix(".pt.tmp"))
-    os.replace(theta_path.with_suffix(".pt.tmp"), theta_path)
-    blob = {"version_vector": version_vector.to_dict(), "total": version_vector.total(),
-            "digest": version_vector.digest().hex(), **extra}
-    vv_path.with_suffix(".json.tmp").write_text(json.dumps(blob, indent=1))
-    os.replace(vv_path.with_suffix(".json.tmp"), vv_path)
-    return theta_path, vv_path

@@ -1,4 +1,4 @@
-"""Equivocation evidence: spread it, check it, ban on it (DESIGN.md section 3; issue 5).
+"""Equivocation evidence: spread it, check it, ban on it (ARCHITECTURE.md "The merge rule"; issue 5).
 
 Equivocation is a sender signing two different updates for one (sender, seq). The peer whose intake sees it
 bans the sender at once and keeps the proof, the two signed envelopes (`Intake.evidence`); gossip hands it to

@@ -1,4 +1,4 @@
-"""Replica repair on the real network (DESIGN.md section 4, "Repair"; issue 4's second trap).
+"""Replica repair on the real network (ARCHITECTURE.md "The network" (repair); issue 4's second trap).
 
 The case: our replica merged an update `(sender, seq)` that other peers skipped (their gap waited out
 `gap_timeout_s`: nobody served it), and we can no longer serve it ourselves: we restarted (our store is empty)
@@ -7,8 +7,9 @@ back without its payload. The repair: we adopt the state of a peer that skipped 
 beyond that state (`Replica.adopt`). The skipping side never yields for this reason, so the repair goes one way
 and ends; a late copy that turns up afterwards is merged late by everyone, as a filled hole.
 
-Gossip finds the case: announces and pull requests carry the sender's holes, and `Gossip._consider` hands
-the ones that name updates we merged and no longer hold (`UpdateStore.unservable_for`) to `consider`. Then:
+Gossip shows us the case: announces and pull requests carry the sender's holes, and gossip hands every
+member's vector to `observe`, which picks the holes that name updates we merged and no longer hold
+(`UpdateStore.unservable_for`), and the updates it merged that we skipped, and hands them to `consider`. Then:
 
 1. Grace: an item must have stayed unservable for `grace_s` (a peer that still holds the update may fill
    the others' holes meanwhile, and then nobody needs to yield).
@@ -101,9 +102,21 @@ class Repair:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
+    def observe(self, peer: str, remote: VersionVector) -> None:
+        """Gossip's hook (`on_vector`): member `peer` holds `remote`. On the loop; returns at once."""
+        ours = self.replica.version_vector
+        if remote.n_holes:
+            items = self.store.unservable_for(ours, remote)
+            if items:
+                self.consider(peer, remote, items, False)
+        if ours.n_holes:  # and the other way round: it merged what we skipped (a pull brings it, if anyone can)
+            items = ours.holes_merged_by(remote, skip=self.replica.banned)
+            if items:
+                self.consider(peer, remote, items, True)
+
     def consider(self, peer: str, remote: VersionVector, items: list[tuple[str, int]],
                  skipped_here: bool = False) -> None:
-        """Gossip's hook: `peer`'s vector `remote` skipped `items`, which we merged and cannot serve; or, with
+        """`peer`'s vector `remote` skipped `items`, which we merged and cannot serve; or, with
         `skipped_here`, it merged `items`, which we skipped. On the loop; returns at once (the repair, if due,
         runs in a task)."""
         now = self.clock()

@@ -1,4 +1,7 @@
-"""Gossip: how signed outer updates spread through the swarm (DESIGN.md section 4, "Gossip").
+"""Gossip: how signed outer updates spread through the swarm (ARCHITECTURE.md "The network" (gossip)).
+
+`Gossip` (here) serves both RPCs, announces and runs anti-entropy; its `Puller` (net/gossip/pulls.py) runs the
+pulls; the "ids" digests are computed in net/gossip/digests.py, the request codec lives in messages.py.
 
 Protocol: two RPCs per run on the node's P2P replica; the caller's PeerID is authenticated by libp2p and never
 read from a payload.
@@ -14,7 +17,7 @@ read from a payload.
       request  = msgpack {"vv": {sender: seq}, "holes": {sender: [seq]}, "limit": n, "ids": {sender: hex16}}
                  the requester's version vector (holes as in an announce), and for up to MAX_ID_DIGESTS senders
                  a digest of the update ids it merged for its newest ID_WINDOW seqs of that sender
-                 (gossip_messages.ids_digest; "ids" may be absent)
+                 (net/gossip/digests.py; "ids" may be absent)
       response = a stream, each chunk one encoded update (`encode_update`, <= `Intake.max_bytes`): first, for
                  every sender whose digest differs from ours over the same seqs, the updates we hold for those
                  seqs (the requester merged other versions of them: an equivocation split between us, which
@@ -36,9 +39,9 @@ Rules:
     are folded into the remote's pending pull (their vectors merged), at most MAX_WANTED_PEERS of them.
   - Anti-entropy: every `anti_entropy_s` (jittered +-50%), pull from one random peer whatever it holds, and
     let the intake skip gaps that waited out `gap_timeout_s` (a quiet swarm brings nothing that would).
-  - Repair (DESIGN.md section 4): a remote's vector whose holes name updates we merged and no longer hold
-    (`UpdateStore.unservable_for`), or that merged updates we skipped, goes to `on_unservable`; pulls cannot
-    make our replicas equal when nobody serves them (net/gossip/repair.py adopts the state of the quorum's side).
+  - Repair (ARCHITECTURE.md "The network"): every member's vector goes to `on_vector` (`Repair.observe`): one whose
+    holes name updates we merged and no longer hold, or that merged updates we skipped, is a case pulls cannot
+    settle when nobody serves them (net/gossip/repair.py adopts the state of the quorum's side).
   - Every call has `rpc_timeout_s` (per response chunk for pulls), and a pull response must keep the guard's
     minimum pace, so a never-ending trickle is cut. A failure is counted (by reason, against the remote) and
     logged at most once per peer per `log_interval_s`; nothing waits for the whole swarm (announces are
@@ -61,51 +64,37 @@ and purges banned senders in the store). The compute thread hands its own update
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
+from p2p_diloco.net.gossip.digests import differing_windows
 from p2p_diloco.net.gossip.messages import (
-    HOSTILE_OUTCOMES,
-    MAX_ID_DIGESTS,
     MAX_VECTOR_BYTES,
-    PULL_FAILURES,
     GossipConfig,
-    InvalidPull,
     Request,
     decode_request,
     encode_request,
-    id_window,
-    ids_digest,
     parse_request,
-    summarize_ids,
 )
+from p2p_diloco.net.gossip.pulls import MAX_WANTED_PEERS, FailureLog, Puller, lacks, min_bytes_per_s
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
-from p2p_diloco.sync.replica import MergeOutcome
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 
-__all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # the config and codec live in gossip_messages
+__all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # the config and codec live in messages.py
 
 logger = logging.getLogger(__name__)
 
-MAX_PULL_ROUNDS = 64
-"""Pulls from one remote in a row, at most (each of up to pull_max_updates updates)."""
-MAX_WANTED_PEERS = 1024
-"""Remotes waiting for a pull slot, at most; the oldest wish is dropped (anti-entropy repairs it)."""
 MAX_ANNOUNCE_TASKS = 64
 """Announces in flight, at most; more are dropped and counted."""
 MAX_CONCURRENT_ANNOUNCES_SERVED = 64
 """Incoming announces handled at once (each is tiny; more are refused as busy)."""
-# Outcomes after which we hold the update (merged, or waiting for its gap), so we keep it to serve others.
-_KEPT = (MergeOutcome.MERGED.value, MergeOutcome.BUFFERED.value)
 _STATS = ("published", "bytes_sent", "bytes_received", "announces_sent", "announces_received", "announce_failures",
           "announces_dropped", "pulls", "pull_failures", "pulls_served", "pulls_dropped", "updates_received",
           "updates_new", "bad_requests", "pulls_skipped", "evidence_found", "id_mismatches")
@@ -117,16 +106,14 @@ class Gossip:
     def __init__(self, node: SwarmNode, run_id: str, intake: Intake, store: UpdateStore, config: GossipConfig,
                  peers: Callable[[], Sequence[str]], *, guard: Any = None,
                  on_evidence: Callable[[bytes, bytes], None] | None = None,
-                 on_unservable: Callable[[str, VersionVector, list[tuple[str, int]], bool], None] | None = None):
+                 on_vector: Callable[[str, VersionVector], None] | None = None):
         """`peers` returns the live peer ids of the run (e.g. from the DHT records); ours is filtered out.
         `guard` (a PeerGuard) enforces access and rate limits; `on_evidence(first, second)` gets the two signed
-        envelopes of each equivocation we find; `on_unservable(peer, its vector, items, False)` the updates we
-        merged, it skipped and we cannot serve, and `(..., True)` those it merged and we skipped (called on the
-        loop; it must return at once)."""
+        envelopes of each equivocation we find; `on_vector(peer, its vector)` every vector a member sends us
+        (`Repair.observe`; called on the loop, it must return at once)."""
         self.node = node
         self.guard = guard
-        self.on_evidence = on_evidence
-        self.on_unservable = on_unservable
+        self.on_vector = on_vector
         self.run_id = run_id
         self.intake = intake
         self.store = store
@@ -138,22 +125,18 @@ class Gossip:
         self.rpc_stats: dict[str, rpc.RpcStats] = {}
         self._peers = peers
         self._rng = random.Random()
+        self._failures = FailureLog(guard, self.config.log_interval_s)
+        self._puller = Puller(node, self.pull_name, intake, store, self.config, guard=guard, stats=self.stats,
+                              failures=self._failures, rng=self._rng, on_evidence=on_evidence,
+                              on_brought=lambda peer: self._announce(exclude=(peer,)))
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._running = False
         self._anti_entropy: asyncio.Task | None = None
-        self._pulls: dict[str, asyncio.Task] = {}  # remote -> its pull task
-        # remote -> the vector its running pull is expected to bring us up to. Concurrent pulls from other
-        # peers ask only for what lies beyond these claims, so one update is not fetched twice at once (the scale
-        # simulator measured 36-50% duplicate pulls, 1.6-2x the bytes, without this).
-        self._claims: dict[str, VersionVector] = {}
-        # remote -> (what it announced it holds, pull even if that looks like nothing new); oldest first
-        self._wanted: OrderedDict[str, tuple[VersionVector, bool]] = OrderedDict()
         self._announces: set[asyncio.Task] = set()
         self._known: OrderedDict[str, VersionVector] = OrderedDict()  # remote -> the last vector it sent us
-        # remote -> its vector when a pull from it brought nothing we could use (e.g. it merged one of our holes
-        # and cannot serve it): not asked again until its vector changes, or by anti-entropy
-        self._dry: OrderedDict[str, VersionVector] = OrderedDict()
-        self._failure_logged_at: dict[str, float] = {}
+
+    @property
+    def _running(self) -> bool:
+        return self._puller.running
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
@@ -163,7 +146,7 @@ class Gossip:
             raise RuntimeError("Gossip.start called twice")
         self._loop = asyncio.get_running_loop()
         p2p, timeout_s = self.node.p2p, self.config.rpc_timeout_s
-        limits = dict(guard=self.guard, min_bytes_per_s=self._min_bytes_per_s())
+        limits = dict(guard=self.guard, min_bytes_per_s=min_bytes_per_s(self.guard))
         self.rpc_stats["announce"] = await rpc.serve(
             p2p, self.announce_name, self.rpc_announce, max_request_bytes=MAX_VECTOR_BYTES, timeout_s=timeout_s,
             max_concurrent=MAX_CONCURRENT_ANNOUNCES_SERVED, **limits)
@@ -174,23 +157,22 @@ class Gossip:
         except BaseException:
             await rpc.unserve(p2p, self.announce_name)
             raise
-        self._running = True
+        self._puller.running = True
         self._anti_entropy = asyncio.create_task(self._anti_entropy_loop(), name=f"anti-entropy:{self.run_id}")
         logger.info("gossip started run_id=%s peer_id=%s fanout=%d anti_entropy_s=%g", self.run_id,
                     self.node.peer_id, self.config.fanout, self.config.anti_entropy_s)
 
     async def stop(self) -> None:
         """Cancel every task and stop serving; bounded by about 2 * rpc_timeout_s. Idempotent."""
-        self._running = False
-        tasks = [t for t in (self._anti_entropy, *self._pulls.values(), *self._announces) if t is not None]
+        self._puller.running = False
+        tasks = [t for t in (self._anti_entropy, *self._puller.tasks.values(), *self._announces) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.rpc_timeout_s)
         self._anti_entropy = None
-        self._wanted.clear()
+        self._puller.clear()
         self._known.clear()
-        self._dry.clear()
         for name in (self.announce_name, self.pull_name):
             try:
                 await asyncio.wait_for(rpc.unserve(self.node.p2p, name), self.config.rpc_timeout_s / 2)
@@ -219,7 +201,7 @@ class Gossip:
         if asyncio.get_running_loop() is not self._loop or not self._running:
             raise RuntimeError("request_pull needs a started Gossip, on its own event loop")
         if peer != self.node.peer_id:
-            self._want_pull(peer, VersionVector(), force=True)
+            self._puller.want(peer, VersionVector(), force=True)
 
     # ---- serving (on the loop; read-only on the store) ------------------------------------------------------
 
@@ -246,13 +228,9 @@ class Gossip:
         `ids` digests differ from ours over the same seqs): handed to it, its intake finds the equivocation
         and proves it, and the proof comes back to us through the evidence relay."""
         out: list[OuterUpdate] = []
-        for sender, digest in digests.items():
-            seqs = id_window(remote, sender)
-            ours = self.intake.replica.recent_ids(sender, seqs)
-            if ours is None or ids_digest(seqs, ours) == digest:
-                continue  # we do not hold the same slots merged, or we merged the same updates
+        for sender, seqs in differing_windows(digests, remote, self.intake.replica.recent_ids):
             self.stats["id_mismatches"] += 1
-            self._log_failure(sender, "id comparison", RuntimeError(
+            self._failures.log(sender, "id comparison", RuntimeError(
                 f"a peer merged other updates of this sender than we did for seqs {seqs[0]}-{seqs[-1]}"))
             for seq in seqs:
                 update = self.store.get(sender, seq)
@@ -260,28 +238,12 @@ class Gossip:
                     out.append(update)
         return out
 
-    def _id_digests(self, wanted: VersionVector) -> dict[str, str]:
-        """Digests of the ids we merged lately, for up to MAX_ID_DIGESTS random senders whose window in the
-        request's vector is all merged here (claims of other pulls are not)."""
-        replica = self.intake.replica
-        ours = replica.version_vector
-        candidates = list(wanted)
-        self._rng.shuffle(candidates)  # with more senders than MAX_ID_DIGESTS, another subset each pull
-        senders: list[str] = []
-        for sender in candidates:  # on every pull: stop as soon as there are enough
-            # Only hole-free windows compare: a responder that filled a hole since would see another window.
-            if not ours.holes(sender) and id_window(wanted, sender) == id_window(ours, sender):
-                senders.append(sender)
-                if len(senders) == MAX_ID_DIGESTS:
-                    break
-        return summarize_ids(wanted, replica.recent_ids, senders)
-
     def _decode(self, request: bytes, *, pull: bool, caller: str) -> Request:
         try:
             return parse_request(request, pull=pull)
         except rpc.RpcError:
             self.stats["bad_requests"] += 1
-            self._count(caller, "bad_request")
+            self._failures.count(caller, "bad_request")
             raise
 
     async def _encoded(self, updates: list) -> AsyncIterator[bytes]:
@@ -290,10 +252,10 @@ class Gossip:
             self.stats["bytes_sent"] += len(data)
             yield data
 
-    # ---- pulling ------------------------------------------------------------------------------------------
+    # ---- what remotes hold -------------------------------------------------------------------------------
 
     def _consider(self, peer: str, remote: VersionVector) -> None:
-        """`peer` holds `remote`: schedule a pull if it has anything our replica lacks."""
+        """`peer` holds `remote`: schedule a pull if it has anything our replica lacks; show it to `on_vector`."""
         self._known.pop(peer, None)
         self._known[peer] = remote  # replaced, not merged: a peer restarted from a checkpoint may hold less
         while len(self._known) > MAX_WANTED_PEERS:
@@ -301,149 +263,14 @@ class Gossip:
         member = self.guard is None or self.guard.is_member(peer)
         if not (self._running and member and peer != self.node.peer_id):
             return
-        ours = self._vector()
-        if self._lacks(ours, remote) and self._dry.get(peer) != remote:
-            self._want_pull(peer, remote, force=False)
-        if self.on_unservable is None:
-            return
-        if remote.n_holes:
-            items = self.store.unservable_for(ours, remote)
-            if items:
-                self.on_unservable(peer, remote, items, False)
-        if ours.n_holes:  # and the other way round: it merged what we skipped (a pull brings it, if anyone can)
-            items = ours.holes_merged_by(remote, skip=self.intake.replica.banned)
-            if items:
-                self.on_unservable(peer, remote, items, True)
+        if self._lacks(self._vector(), remote) and not self._puller.is_dry(peer, remote):
+            self._puller.want(peer, remote, force=False)
+        if self.on_vector is not None:
+            self.on_vector(peer, remote)
 
     def known_vectors(self) -> dict[str, VersionVector]:
         """The last vector each remote sent us (announce or pull request), at most MAX_WANTED_PEERS of them."""
         return dict(self._known)
-
-    def _want_pull(self, peer: str, remote: VersionVector, *, force: bool) -> None:
-        pending = self._wanted.pop(peer, None)
-        if pending is not None:
-            remote, force = pending[0].merge(remote), force or pending[1]
-        self._wanted[peer] = (remote, force)
-        while len(self._wanted) > MAX_WANTED_PEERS:
-            self._wanted.popitem(last=False)
-            self.stats["pulls_dropped"] += 1
-        self._start_pulls()
-
-    def _start_pulls(self) -> None:
-        if not self._running:
-            return
-        for peer in list(self._wanted):
-            if len(self._pulls) >= self.config.max_concurrent_pulls:
-                return
-            if peer not in self._pulls:
-                self._pulls[peer] = asyncio.create_task(self._pull_from(peer), name=f"pull:{peer[-8:]}")
-
-    async def _pull_from(self, peer: str) -> None:
-        """Pull from `peer` while it has something for us (pending wishes folded in), then re-announce."""
-        brought = 0
-        try:
-            while self._running and peer in self._wanted:
-                remote, force = self._wanted.pop(peer)
-                self._claims[peer] = remote
-                for _ in range(MAX_PULL_ROUNDS):
-                    if not (force or self._lacks(self._wanted_vector(peer), remote)) or not self._may_pull(peer):
-                        break
-                    received, new = await self._pull_once(peer)
-                    brought += new
-                    if new == 0:  # nothing usable (e.g. it lacks the seq that fills our gap): stop asking
-                        self._dry.pop(peer, None)
-                        self._dry[peer] = remote
-                        while len(self._dry) > MAX_WANTED_PEERS:
-                            self._dry.popitem(last=False)
-                        break
-                    force = received >= self.config.pull_max_updates  # a full batch: more may remain
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # RpcError, or anything else a remote could provoke: count it, never crash
-            self._wanted.pop(peer, None)
-            self.stats["pull_failures"] += 1
-            self._pull_failed(peer, e)
-        finally:
-            self._pulls.pop(peer, None)
-            self._claims.pop(peer, None)
-            if brought and self._running:
-                self._announce(exclude=(peer,))
-            self._start_pulls()
-
-    async def _pull_once(self, peer: str) -> tuple[int, int]:
-        """One pull request; returns (updates received, updates new to us)."""
-        limit = self.config.pull_max_updates
-        wanted = self._wanted_vector(peer)
-        request = encode_request(wanted, limit, ids=self._id_digests(wanted))
-        self.stats["pulls"] += 1
-        self.stats["bytes_sent"] += len(request)
-        max_bytes = self.intake.max_bytes
-        stream = rpc.call_stream(self.node.p2p, peer, self.pull_name, request, max_chunk_bytes=max_bytes,
-                                 max_total_bytes=limit * max_bytes, timeout_s=self.config.rpc_timeout_s,
-                                 min_bytes_per_s=self._min_bytes_per_s())
-        received = new = 0
-        async with contextlib.aclosing(stream):
-            async for data in stream:
-                received += 1
-                self.stats["updates_received"] += 1
-                self.stats["bytes_received"] += len(data)
-                if self.guard is not None:
-                    self.guard.charge_in(peer, len(data))
-                if received > limit:
-                    raise InvalidPull("too_many_updates", f"peer {peer} sent more than the {limit} updates asked for")
-                # Decompression and the merge are CPU work: off the loop. The store stays on the loop.
-                outcome, update = await asyncio.to_thread(self.intake.receive, data, source=peer)
-                if update is not None and outcome in _KEPT:
-                    self.store.add(update)
-                    new += 1
-                else:
-                    self._rejected(peer, outcome, update)
-        self.stats["updates_new"] += new
-        return received, new
-
-    def _rejected(self, peer: str, outcome: str, update: OuterUpdate | None) -> None:
-        """Count an update we did not keep against the remote that sent it; stop listening to a hostile one."""
-        self._count(peer, outcome, in_totals=False)  # the intake totals its own outcomes
-        if outcome == MergeOutcome.EQUIVOCATION.value and update is not None and self.on_evidence is not None:
-            proof = self.intake.evidence.get(update.sender)  # kept by the intake when it banned the sender
-            if proof is not None:
-                self.stats["evidence_found"] += 1
-                self.on_evidence(*proof)
-        if outcome in HOSTILE_OUTCOMES:
-            # An honest peer never relays this (it checks what it keeps): spend nothing more on this stream.
-            raise InvalidPull(outcome, f"peer {peer} sent an invalid update ({outcome})")
-
-    def _wanted_vector(self, peer: str) -> VersionVector:
-        """What we hold plus what the pulls started before this one will bring: a pull from `peer` asks only
-        beyond it. Only earlier pulls count (`_claims` keeps start order), so two pulls never both leave an
-        update to the other. If an earlier pull fails, what it claimed comes back with the next pull."""
-        vector = self._vector()
-        for other, claim in self._claims.items():
-            if other == peer:
-                break
-            vector = vector.merge(claim)
-        return vector
-
-    def _may_pull(self, peer: str) -> bool:
-        why = self.guard.may_pull_from(peer) if self.guard is not None else None
-        if why:
-            self.stats["pulls_skipped"] += 1
-            self._count(peer, why)
-        return not why
-
-    def _pull_failed(self, peer: str, error: BaseException) -> None:
-        if isinstance(error, InvalidPull):
-            reason = error.reason
-            if reason not in HOSTILE_OUTCOMES:  # intake outcomes are counted already
-                self._count(peer, reason)
-            if self.guard is not None:
-                self.guard.penalize(peer, reason)
-        else:
-            reason = next((r for kind, r in PULL_FAILURES if isinstance(error, kind)), "pull_error")
-            self._count(peer, reason)
-            if reason == "oversize" and self.guard is not None:  # honest peers never exceed the spec's bound
-                self.guard.penalize(peer, reason)
-        self._log_failure(peer, "pull", error)
 
     # ---- announcing and anti-entropy ----------------------------------------------------------------------
 
@@ -471,7 +298,7 @@ class Gossip:
             raise
         except Exception as e:
             self.stats["announce_failures"] += 1
-            self._log_failure(peer, "announce", e)
+            self._failures.log(peer, "announce", e)
             return
         self.stats["announces_sent"] += 1
         self.stats["bytes_sent"] += len(request)
@@ -483,7 +310,7 @@ class Gossip:
                 await asyncio.to_thread(self.intake.expire_gaps)  # may merge a released chain: CPU, off the loop
                 targets = self._pick(1, ())
                 if targets:
-                    self._want_pull(targets[0], VersionVector(), force=True)
+                    self._puller.want(targets[0], VersionVector(), force=True)
             except Exception:  # a bug here must not silently end anti-entropy
                 logger.exception("anti-entropy round failed run_id=%s", self.run_id)
 
@@ -491,26 +318,13 @@ class Gossip:
         """True while a pull is wanted or running from a remote whose last vector holds updates we lack: our
         replica is about to change. Thread-safe enough for a poll from another thread (copies, no mutation)."""
         ours, known = self._vector(), self._known
-        pending = [known.get(peer) for peer in (*list(self._pulls), *list(self._wanted))]
+        pending = [known.get(peer) for peer in self._puller.pending_peers()]
         return any(self._lacks(ours, vv) for vv in pending if vv is not None)
 
     # ---- helpers ------------------------------------------------------------------------------------------
 
-    def _count(self, peer: str, reason: str, *, in_totals: bool = True) -> None:
-        if self.guard is not None:
-            self.guard.count(peer, reason, in_totals=in_totals)
-
-    def _min_bytes_per_s(self) -> float:
-        return self.guard.limits.min_stream_bytes_per_s if self.guard is not None else 0.0
-
     def _lacks(self, ours: VersionVector, remote: VersionVector) -> bool:
-        """`remote` holds updates `ours` lacks (above our entries, or in our holes: merged late), of senders we
-        have not banned: a banned sender's seqs are never served, and a replica that took back an equivocation
-        holds fewer of them than one that could not."""
-        banned = self.intake.replica.banned
-        if any(sender not in banned for sender in ours.missing_from(remote)):
-            return True
-        return bool(ours.n_holes and ours.holes_merged_by(remote, skip=banned))
+        return lacks(ours, remote, self.intake.replica.banned)
 
     def _vector(self) -> VersionVector:
         # Vectors are immutable and swapped whole by the replica: reading one needs no lock.
@@ -526,12 +340,3 @@ class Gossip:
         candidates = [p for p in peers if isinstance(p, str) and p not in skip
                       and (self.guard is None or not self.guard.is_penalized(p))]
         return self._rng.sample(candidates, min(k, len(candidates)))
-
-    def _log_failure(self, peer: str, what: str, error: BaseException) -> None:
-        now = time.monotonic()
-        if len(self._failure_logged_at) > MAX_WANTED_PEERS:
-            self._failure_logged_at.clear()
-        if now - self._failure_logged_at.get(peer, -1e18) >= self.config.log_interval_s:
-            self._failure_logged_at[peer] = now
-            logger.warning("gossip %s failed peer=%s error=%s (further failures of this peer counted, logged "
-                           "again after %gs)", what, peer, error, self.config.log_interval_s)

@@ -1,4 +1,5 @@
-"""State sync: a joiner fetches a verified snapshot of (theta, V) from a donor (DESIGN.md section 4, "State sync").
+"""State sync: a joiner fetches a verified snapshot of (theta, V) from a donor (ARCHITECTURE.md,
+"The network").
 
 Protocol: two RPCs per run on the donor's P2P replica (the donor's side: net/statesync/server.py).
 
@@ -41,6 +42,7 @@ import msgpack
 import numpy as np
 import torch
 
+from p2p_diloco.config.network import MAX_CHUNK_BYTES, StateSyncConfig
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.version_vector import VersionVector
@@ -49,8 +51,6 @@ from p2p_diloco.wire.envelope import verify_blob
 logger = logging.getLogger(__name__)
 
 MANIFEST_DOMAIN = b"p2p-diloco/manifest/v1"
-MAX_CHUNK_BYTES = 64 << 20
-"""Largest chunk a joiner accepts a manifest to declare (bounds one response in memory)."""
 MAX_REQUEST_BYTES = 1024
 _DIGEST_BYTES = 32
 _SIGNATURE_BYTES = 64
@@ -70,40 +70,6 @@ class DonorError(Exception):
     def __init__(self, message: str, reason: str = "bad_manifest") -> None:
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class StateSyncConfig:
-    """Chunking, parallelism and timeouts of snapshot transfers (both sides)."""
-
-    chunk_bytes: int = 4 << 20
-    """Bytes per chunk (donor side), a multiple of 4 (whole float32 values); the last chunk may be shorter."""
-    parallel_chunks: int = 4
-    """Chunk requests in flight at once (joiner side)."""
-    timeout_s: float = 30.0
-    """Timeout of each request (manifest or chunk), in seconds, on both sides."""
-    snapshot_ttl_s: float = 30.0
-    """A donor drops a cached snapshot this many seconds after its last request."""
-    snapshot_reuse_s: float = 5.0
-    """A manifest request within this many seconds of the last snapshot gets that snapshot (still consistent;
-    gossip brings the joiner the rest), saving a copy and a hash of theta per joiner."""
-    max_manifest_bytes: int = 1 << 20
-    """Largest signed manifest, both sent and accepted."""
-    max_concurrent_chunks: int = 16
-    """Chunk requests a donor serves at once; more are refused as busy."""
-    chunk_retries: int = 3
-    """Retries of a chunk whose stream broke or timed out, before dropping the donor (a bad chunk drops it at once)."""
-
-    def validate(self) -> StateSyncConfig:
-        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES or self.chunk_bytes % 4:
-            raise ValueError(f"chunk_bytes must be a multiple of 4 in (0, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
-        if self.parallel_chunks < 1 or self.max_concurrent_chunks < 1 or self.max_manifest_bytes < 1024 \
-                or self.chunk_retries < 0:
-            raise ValueError("parallel_chunks and max_concurrent_chunks must be >= 1, max_manifest_bytes >= 1024, "
-                             "chunk_retries >= 0")
-        if not (self.timeout_s > 0 and self.snapshot_ttl_s > 0 and self.snapshot_reuse_s >= 0):
-            raise ValueError("timeout_s and snapshot_ttl_s must be > 0, snapshot_reuse_s >= 0")
-        return self
 
 
 def manifest_name(run_id: str) -> str:

@@ -1,0 +1,133 @@
+"""The calling side of the bounded RPC (protocol: net/transport/rpc.py): `call` for one response, `call_stream`
+for a stream of chunks; every length is checked before it is read, every read is timed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from hivemind.p2p import P2P, PeerID
+
+from p2p_diloco.net.transport.framing import (
+    DATA,
+    END,
+    ERROR,
+    MAX_ERROR_BYTES,
+    Pace,
+    TooSlow,
+    read_header,
+    read_payload,
+    write_frame,
+)
+from p2p_diloco.net.transport.rpc_errors import (
+    RpcConnectionError,
+    RpcError,
+    RpcRemoteError,
+    RpcSlowError,
+    RpcTimeoutError,
+    RpcTooLargeError,
+)
+
+
+async def _open(p2p: P2P, peer_id: str, name: str, request: bytes, timeout_s: float):
+    try:
+        target = PeerID.from_base58(peer_id)
+    except Exception:
+        raise RpcError(f"bad peer id {peer_id!r}") from None
+    try:
+        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(target, name), timeout_s)
+    except asyncio.TimeoutError:
+        raise RpcTimeoutError(f"could not open '{name}' on peer {peer_id} within {timeout_s:g}s") from None
+    except Exception as e:  # p2pd: "protocol not supported", "all dials failed", ...
+        raise RpcConnectionError(f"could not open '{name}' on peer {peer_id}: {e}") from e
+    try:
+        await write_frame(writer, DATA, request, timeout_s)
+    except (ConnectionError, OSError) as e:
+        # The server may have refused the request before reading it all (e.g. too large) and closed the
+        # stream; its ERROR frame is then already waiting in our socket. Report that rather than the reset.
+        try:
+            async for _ in _read_frames(reader, peer_id, name, max_chunk_bytes=0, max_total_bytes=0,
+                                        timeout_s=min(timeout_s, 1.0)):
+                pass
+        except RpcRemoteError:
+            raise
+        except RpcError:
+            pass
+        finally:
+            writer.close()
+        raise RpcConnectionError(f"sending the request to '{name}' on peer {peer_id} failed: {e}") from e
+    except BaseException as e:
+        writer.close()
+        if isinstance(e, asyncio.TimeoutError):
+            raise RpcTimeoutError(f"sending the request to '{name}' on peer {peer_id} timed out") from None
+        raise
+    return reader, writer
+
+
+async def _read_frames(reader: asyncio.StreamReader, peer_id: str, name: str, *, max_chunk_bytes: int,
+                       max_total_bytes: int, timeout_s: float, pace: Pace | None = None) -> AsyncIterator[bytes]:
+    """Yield DATA payloads until END; raise RpcError subclasses on ERROR, oversize, timeout, slowness or
+    disconnect."""
+    where = f"'{name}' on peer {peer_id}"
+    total = 0
+    try:
+        while True:
+            kind, length = await read_header(reader, timeout_s, pace)
+            if kind == END:
+                return
+            if kind == ERROR:
+                message = (await read_payload(reader, min(length, MAX_ERROR_BYTES), timeout_s)).decode(
+                    "utf-8", errors="replace")
+                raise RpcRemoteError(f"{where} failed: {message}", message)
+            if kind != DATA:
+                raise RpcConnectionError(f"{where} sent a malformed frame (kind {kind})")
+            if length > max_chunk_bytes or total + length > max_total_bytes:
+                raise RpcTooLargeError(f"{where} sent {total + length}+ bytes (chunk {length}); the limit is "
+                                       f"{max_chunk_bytes} per chunk and {max_total_bytes} in all")
+            total += length
+            yield await read_payload(reader, length, timeout_s, pace)
+    except TooSlow as e:
+        raise RpcSlowError(f"{where} sent too slowly: {e}") from None
+    except asyncio.TimeoutError:
+        raise RpcTimeoutError(f"{where} did not answer within {timeout_s:g}s") from None
+    except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+        raise RpcConnectionError(f"{where}: stream closed before the response ended ({e!r})") from None
+
+
+async def call(p2p: P2P, peer_id: str, name: str, request: bytes, *, max_response_bytes: int,
+               timeout_s: float) -> bytes:
+    """One request, one response (all DATA frames joined), within `timeout_s` in all; RpcError on any failure."""
+    async def _call() -> bytes:
+        reader, writer = await _open(p2p, peer_id, name, request, timeout_s)
+        try:
+            parts = [part async for part in _read_frames(
+                reader, peer_id, name, max_chunk_bytes=max_response_bytes, max_total_bytes=max_response_bytes,
+                timeout_s=timeout_s)]
+        finally:
+            writer.close()
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(_call(), timeout_s)
+    except asyncio.TimeoutError:
+        raise RpcTimeoutError(f"'{name}' on peer {peer_id} did not answer within {timeout_s:g}s") from None
+
+
+async def call_stream(p2p: P2P, peer_id: str, name: str, request: bytes, *, max_chunk_bytes: int,
+                      max_total_bytes: int, timeout_s: float, min_bytes_per_s: float = 0.0) -> AsyncIterator[bytes]:
+    """Yield the response chunks as they arrive; each within `timeout_s`, each and all of them bounded.
+
+    With `min_bytes_per_s`, the whole response must keep that average pace after a grace of `timeout_s` (the
+    time the caller spends between chunks counts too: keep it small), else RpcSlowError: a remote that sends
+    forever, however slowly, is cut. Iterate to the end, or close it (`contextlib.aclosing`) to release the
+    stream early.
+    """
+    reader, writer = await _open(p2p, peer_id, name, request, timeout_s)
+    pace = Pace(timeout_s, min_bytes_per_s) if min_bytes_per_s > 0 else None
+    try:
+        async for chunk in _read_frames(reader, peer_id, name, max_chunk_bytes=max_chunk_bytes,
+                                        max_total_bytes=max_total_bytes, timeout_s=timeout_s, pace=pace):
+            yield chunk
+    finally:
+        writer.close()

@@ -1,0 +1,218 @@
+"""This peer's presence on the swarm: its signed record on the DHT and its view of the others' (ARCHITECTURE.md,
+"Threads").
+
+`Presence` announces our record (every third of its TTL, and soon after `request_announce`), reads the
+records every few seconds and keeps the members' live ones (`peers`), notes the peers whose record vanished
+without a farewell (`lost`), and meets the bootstrap peers and the lost ones again. `peers`, `local` and
+`static_record` are shared with the compute thread: each is replaced whole, never mutated in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.net.admission.policy import MEMBER_PROOF_FIELD
+from p2p_diloco.net.discovery.records import MAX_PEER_RECORD_BYTES, announce_peer, list_peers, validator_counts
+from p2p_diloco.net.discovery.status import fit_record, live, number, text
+from p2p_diloco.peer.network_counters import rejection_totals
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.5
+"""How often the loop refreshes `counters` and checks whether to announce."""
+MIN_ANNOUNCE_INTERVAL_S = 2.0
+"""Announces asked for between the periodic ones (after a round, on a replica change while lingering) are at
+most this frequent: a DHT store per peer every couple of seconds is cheap for tens of peers."""
+MAX_ANNOUNCED_MADDRS = 8
+MAX_RECORD_VV_ENTRIES = 16
+"""The record carries the full version vector only up to this many senders (it must fit in 8 KiB)."""
+MAX_RECORD_OFFENDERS = 4
+LOST_PEER_GRACE_TTLS = 2.0
+"""A peer whose record vanished without a farewell ("left") counts as lost, not gone, for this many record
+TTLs: cut off by a partition, its record expired here while it could not announce, and it comes back once the
+partition heals (libp2p's stalled connections and the DHT's routing tables take seconds to recover). A lingering
+peer does not call the swarm quiet while a peer is lost (`settling`)."""
+MEET_AGAIN_EVERY_S = (5.0, 30.0)
+"""How often (half a record TTL, within these bounds) we ping the bootstrap peers and the peers lost without a
+farewell (SwarmNode.meet_again): a restarted bootstrap knows nobody until peers call it, and Kademlia never
+calls a node again once a request to it failed (the other side of a partition)."""
+MAX_MEET_AGAIN = 16
+
+
+class Presence:
+    """Our record and the others', on the network loop. Set `node`, `guard` and `proof` once the node is up,
+    and `learner` before the first announce."""
+
+    def __init__(self, run_id: str, identity: Any, initial_peers: tuple[str, ...] | list[str], *,
+                 record_ttl_s: float, dht_timeout_s: float, static_record: dict | None = None) -> None:
+        self.run_id, self.identity, self.initial_peers = run_id, identity, initial_peers
+        self.record_ttl_s, self.dht_timeout_s = record_ttl_s, dht_timeout_s
+        self.node: Any = None
+        self.guard: Any = None
+        self.proof: str | None = None
+        self.learner: Any = None
+        self.on_refreshed: Callable[[], None] | None = None  # after each read of the records (the relay meets)
+        # Shared with the compute thread: each is replaced whole, never mutated in place.
+        self.static_record = dict(static_record or {})
+        self.local: dict[str, Any] = {"state": "training"}
+        self.peers: dict[str, dict] = {}
+        self.lost: dict[str, float] = {}  # peer -> when its record vanished without a farewell
+        self._known_maddrs: dict[str, list[str]] = {}  # members' and lost peers' last announced addresses
+        self._warned_corpus: set[str] = set()
+        self.dht_rejected: dict[str, int] = {}
+        self._announce_wanted = False
+        self._announced_digest: str | None = None
+        self.announced_at: float | None = None  # updated_at of our last record (another one: another process)
+
+    def request_announce(self) -> None:
+        """Thread-safe: announce soon (rate-limited), e.g. after a round or a change of state."""
+        self._announce_wanted = True
+
+    # ---- our record -----------------------------------------------------------------------------------------
+
+    def record(self, state: str | None = None) -> dict:
+        vv = self.learner.replica.version_vector
+        record = {**self.static_record, **self.local}
+        record.update(maddrs=self.node.visible_maddrs()[:MAX_ANNOUNCED_MADDRS], version_vector_total=vv.total(),
+                      vv_digest=vv.digest().hex()[:16], seq=vv.get(self.node.peer_id), updated_at=get_dht_time())
+        if state is not None:
+            record["state"] = state
+        if self.proof:
+            record[MEMBER_PROOF_FIELD] = self.proof
+        if self.guard is not None:
+            record.update(rejected_by=rejection_totals(self.learner, self.guard),
+                          offenders=self.guard.rejections.offenders(MAX_RECORD_OFFENDERS, max_reasons=16),
+                          banned=len(self.learner.replica.banned), dht_rejected=dict(self.dht_rejected))
+        if len(vv) <= MAX_RECORD_VV_ENTRIES:
+            record["vv"] = vv.to_dict()
+        return fit_record(record, MAX_PEER_RECORD_BYTES)
+
+    async def announce(self, state: str | None = None, timeout_s: float | None = None) -> bool:
+        record = self.record(state)
+        try:
+            ok = await announce_peer(self.node, self.run_id, record, self.identity, ttl_s=self.record_ttl_s,
+                                     timeout_s=timeout_s or self.dht_timeout_s)
+        except Exception as e:  # the DHT being slow or down must not stop training
+            logger.warning("announce failed error=%r", e)
+            return False
+        if not ok:  # hivemind reports the first replica's answer: one holding a forged record says no
+            logger.warning("announce: the first DHT node asked did not store our record")
+        self._announced_digest, self.announced_at = record["vv_digest"], record["updated_at"]
+        return ok
+
+    async def announce_loop(self, on_tick: Callable[[], None]) -> None:
+        """Every TICK_S: `on_tick()` (the counters), then announce if due."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:  # one bad tick must not end the task: without announces the swarm forgets us
+                on_tick()
+                now = time.monotonic()
+                lingering = self.local.get("state") == "done"
+                digest = self.learner.replica.version_vector.digest().hex()[:16]
+                if now - last >= self.record_ttl_s / 3 or ((self._announce_wanted or (
+                        lingering and digest != self._announced_digest)) and now - last >= MIN_ANNOUNCE_INTERVAL_S):
+                    self._announce_wanted = False
+                    last = now
+                    await self.announce()
+            except Exception:
+                logger.exception("announce tick failed")
+
+    # ---- the others' records --------------------------------------------------------------------------------
+
+    async def members(self, *, warn_own: bool) -> dict[str, dict]:
+        """Live member records other than ours, read from the DHT now."""
+        records = live(await list_peers(self.node, self.run_id, timeout_s=self.dht_timeout_s))
+        own = records.pop(self.node.peer_id, None)
+        if own is not None and warn_own and own.get("updated_at") != self.announced_at:  # not the one we wrote
+            logger.warning("this identity already has a live record (updated %.0fs ago): if another process "
+                           "runs with it, give each peer its own --identity", time.time() - number(own, "updated_at"))
+        return {pid: r for pid, r in records.items() if self.guard.check_record(pid, r) is None}
+
+    async def refresh_peers(self) -> None:
+        """Read the records, keep the members' (`peers`), note the DHT's rejections; also the guard's refresh."""
+        dropped: Counter = Counter()
+        try:
+            records = await list_peers(self.node, self.run_id, timeout_s=self.dht_timeout_s, rejected=dropped)
+        except Exception as e:
+            logger.warning("listing peers failed error=%r", e)
+            return
+        members: dict[str, dict] = {}
+        for pid, record in records.items():
+            if pid != self.node.peer_id and self.guard is not None and self.guard.check_record(pid, record):
+                dropped["not_member"] += 1
+                continue
+            members[pid] = record
+            self._check_corpus(pid, record)
+        self._note_lost(members)
+        self._known_maddrs = {pid: [m for m in r["maddrs"][:MAX_ANNOUNCED_MADDRS] if isinstance(m, str)]
+                              for pid, r in members.items() if isinstance(r.get("maddrs"), list)} | {
+            pid: m for pid, m in self._known_maddrs.items() if pid in self.lost}
+        self.peers = live(members)
+        if self.on_refreshed is not None:
+            self.on_refreshed()
+        try:  # what our DHT node refused (cumulative), plus what this read dropped (records visible now)
+            dropped.update(await validator_counts(self.node, timeout_s=self.dht_timeout_s))
+        except Exception as e:
+            logger.debug("reading the DHT validator's counts failed error=%r", e)
+        self.dht_rejected = dict(dropped)
+
+    def _check_corpus(self, pid: str, record: dict) -> None:
+        fingerprint = self.static_record.get("corpus")
+        if fingerprint and text(record, "corpus") not in ("", fingerprint) and pid not in self._warned_corpus:
+            self._warned_corpus.add(pid)
+            logger.warning("peer %s trains on another corpus (fingerprint %s, ours %s): a different Python "
+                           "version's stdlib or another file", pid, text(record, "corpus"), fingerprint)
+
+    def _note_lost(self, members: dict[str, dict]) -> None:
+        """Peers listed live before and now without any record (a "left" one stays listed until it expires)."""
+        now, grace_s = time.monotonic(), LOST_PEER_GRACE_TTLS * self.record_ttl_s
+        lost = {pid: t for pid, t in self.lost.items() if pid not in members and now - t < grace_s}
+        lost.update({pid: now for pid in self.peers if pid not in members and pid != self.node.peer_id})
+        vanished = [pid[-8:] for pid in lost.keys() - self.lost.keys()]
+        if vanished:
+            logger.info("peer record(s) vanished without a farewell peers=%s", vanished)
+        self.lost = lost
+
+    async def refresh_loop(self) -> None:
+        started = time.monotonic()
+        while True:
+            lingering = self.local.get("state") == "done"
+            # Every second at first: peers that start together must see each other before they sign their
+            # first weights (a peer that sees nobody signs w=1, an N-fold overshoot).
+            starting = time.monotonic() - started < 15.0
+            await asyncio.sleep(1.0 if lingering or starting else min(5.0, self.record_ttl_s / 6))
+            try:
+                await self.refresh_peers()
+            except Exception:
+                logger.exception("peer list refresh failed")
+
+    # ---- meeting lost peers again -----------------------------------------------------------------------------
+
+    def meet_again_targets(self) -> dict[str, list[str]]:
+        """The bootstrap peers (the entry points a new peer is given) and the peers lost without a farewell."""
+        targets: dict[str, list[str]] = {}
+        for maddr in self.initial_peers:
+            pid = maddr.rsplit("/p2p/", 1)[-1]
+            targets.setdefault(pid, []).append(maddr)
+        for pid in sorted(self.lost, key=self.lost.get, reverse=True):  # the most recently lost first
+            targets.setdefault(pid, self._known_maddrs.get(pid, []))
+        return dict(list(targets.items())[:MAX_MEET_AGAIN])
+
+    async def meet_again_loop(self) -> None:
+        low, high = MEET_AGAIN_EVERY_S
+        while True:
+            await asyncio.sleep(min(max(self.record_ttl_s / 2, low), high))
+            try:
+                met = await self.node.meet_again(self.meet_again_targets(), timeout_s=self.dht_timeout_s)
+                if met:
+                    logger.info("met DHT peer(s) again peers=%s", [pid[-8:] for pid in met])
+            except Exception as e:
+                logger.debug("meeting DHT peers again failed error=%r", e)
