@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from p2p_diloco.cli.args import add_dataclass_args, apply_args
+from p2p_diloco.cli.args import Options, add_config_args, apply_args, flat_names
 from p2p_diloco.sim.scale import ScaleConfig, ScaleResult, simulate_scale
 
 DATE = "2026-11-21"
@@ -178,7 +178,7 @@ def exp_staleness(base: ScaleConfig, log: dict, md: list[str]) -> None:
     results = sweep("staleness", configs, log)
     md.append("### (c) Staleness and replica divergence\n")
     md.append(f"The 1.2M-chip job of (a), speed spread sigma 0.2, with and without failures. tau: others' "
-              "updates merged while a phase ran (DESIGN.md section 2); in rounds = tau / (units - 1). "
+              "updates merged while a phase ran (ARCHITECTURE.md, Vocabulary); in rounds = tau / (units - 1). "
               "Missing: updates published but not yet merged by a live replica, in rounds of the swarm "
               f"(/ units), over {base.samples} samples. Equal: samples where every live replica held the same set.\n")
     md += ["| gossip | units | failures | tau p50 / p90 / p99 / max | tau p99 in rounds | delivery p50 / p99 (s) | "
@@ -252,7 +252,8 @@ def main() -> int:
     ap.add_argument("--experiments", default="goodput,units,traffic,staleness")
     ap.add_argument("--out", default="benchmarks/results/scale")
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT.json and exit")
-    add_dataclass_args(ap, ScaleConfig, ScaleConfig(), title="base job", dest="cfg", skip=frozenset({"methods"}))
+    add_config_args(ap, Options(ScaleConfig, ScaleConfig(), "cfg", flat_names(ScaleConfig),
+                                skip=frozenset({"methods"})))
     args = ap.parse_args()
     if args.plot_only:
         plot(json.loads(Path(args.out + ".json").read_text()), args.out + ".png")

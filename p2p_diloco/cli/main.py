@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from p2p_diloco.cli.args import add_dataclass_args, apply_args
-from p2p_diloco.config import PRESETS, ConfigError, RunSpec, SimConfig, preset
+from p2p_diloco.cli.args import ArgumentParser, CommandParser, add_run_args, load_config
+from p2p_diloco.cli.options import simulate_options
+from p2p_diloco.config import ConfigError, SimConfig, SimulateConfig, preset
 
 DESCRIPTION = """\
 p2p-diloco: train one model together across machines you don't control.
@@ -22,39 +23,6 @@ there is no central server. Start with `p2p-diloco simulate` (an in-process swar
 
 class CliError(Exception):
     """A mistake on the command line, reported in one line without a traceback."""
-
-
-def load_spec(args: argparse.Namespace) -> RunSpec:
-    """Preset, then a JSON config file over it, then command-line options over both."""
-    spec = preset(args.preset)
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise CliError(f"config file {path} does not exist")
-        try:
-            overrides = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise CliError(f"config file {path} is not valid JSON: {err}") from None
-        if not isinstance(overrides, dict):
-            raise CliError(f"config file {path} must hold a JSON object of RunSpec fields")
-        spec = RunSpec.from_dict(_deep_merge(spec.to_dict(), overrides))
-    return apply_args(spec, args, "spec").validate()
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _deep_merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) \
-            else value
-    return out
-
-
-def add_spec_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
-    parser.add_argument("--preset", default=default_preset, choices=list(PRESETS),
-                        help=f"model size and hyper-parameters to start from (default: {default_preset})")
-    parser.add_argument("--config", metavar="FILE", help="JSON object of RunSpec fields applied over the preset")
-    base = preset(default_preset)
-    add_dataclass_args(parser, RunSpec, base, title="run spec (shared by every peer of a run)", dest="spec")
 
 
 class Progress:
@@ -85,8 +53,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from p2p_diloco.sim.runner import simulate
     from p2p_diloco.train.data import load_corpus
 
-    spec = load_spec(args)
-    sim = apply_args(SimConfig(), args, "sim").validate()
+    config = load_config(SimulateConfig(spec=preset(args.preset)), args, "simulate").validate()
+    spec, sim = config.spec, config.sim
     for path in (args.json_out, args.plot):  # fail now, not after the whole simulation
         if path and not Path(path).resolve().parent.is_dir():
             raise CliError(f"cannot write {path}: folder {Path(path).resolve().parent} does not exist")
@@ -141,18 +109,17 @@ def default_identity_path() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="p2p-diloco", description=DESCRIPTION,
+    parser = ArgumentParser(prog="p2p-diloco", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
 
     p = sub.add_parser("simulate", help="run N learner units in one process on a simulated network",
                        description="Run N learner units in one process over the in-memory exchange, on a simulated "
                                    "clock, and print per-peer loss, staleness and bytes. --compare also runs the "
                                    "data-parallel and synchronous-DiLoCo baselines on the same token budget.")
-    add_spec_args(p, default_preset="test")
-    add_dataclass_args(p, SimConfig, SimConfig(), title="simulation", dest="sim")
+    add_run_args(p, simulate_options, default_preset="test")
     p.add_argument("--compare", action="store_true", help="run async, sync DiLoCo and data-parallel side by side")
     p.add_argument("--json-out", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="PNG", help="write the eval-loss curves as a PNG")

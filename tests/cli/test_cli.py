@@ -39,6 +39,7 @@ def test_every_subcommand_help_formats():
     (["simulate", "--codec", "zip"], "codec must be one of"),
     (["simulate", "--peers", "two"], "invalid int value: 'two'"),
     (["simulate", "--inner-stepz", "3"], "unrecognized arguments: --inner-stepz"),
+    (["simulate", "--sim.peerz", "3"], "unrecognized arguments: --sim.peerz 3 (did you mean --sim.peers?)"),
 ])
 def test_bad_input_gets_a_clear_error(args, message):
     proc = _run(*args)
@@ -67,13 +68,13 @@ def test_simulate_runs_and_writes_json_and_plot(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"model": 5}', "model must be an object of fields"),
-    ('{"inner": {"inner_steps": "abc"}}', "inner.inner_steps must be int, got 'abc'"),
-    ("[1, 2]", "must hold a JSON object"),
-    ("{not json", "is not valid JSON"),
+    ("[spec]\nmodel = 5", "run.toml: [spec] 'model' must be a table [spec.model], got 5"),
+    ('[spec.inner]\ninner_steps = "abc"', "run.toml: [spec.inner] inner_steps must be an integer, got 'abc'"),
+    ("[sim]\npeerz = 2", "run.toml: [sim] unknown key 'peerz' (did you mean 'peers'?)"),
+    ("[spec.inner\n", "run.toml: not valid TOML"),
 ])
 def test_bad_config_file_gets_a_clear_error(tmp_path, content, message):
-    path = tmp_path / "run.json"
+    path = tmp_path / "run.toml"
     path.write_text(content)
     proc = _run("simulate", "--config", str(path))
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,12 +1,23 @@
-"""RunSpec hashing and validation, and the CLI options generated from the dataclasses."""
+"""RunSpec hashing and validation, the config schema, and the CLI options generated from the dataclasses."""
 
-import argparse
 import dataclasses
 
 import pytest
 
-from p2p_diloco.cli.args import add_dataclass_args, apply_args, field_docs
-from p2p_diloco.config import PRESETS, ConfigError, InnerConfig, RunSpec, SimConfig, preset
+from p2p_diloco.cli.args import ArgumentParser, add_config_args, apply_args, field_docs
+from p2p_diloco.cli.options import simulate_options
+from p2p_diloco.config import (
+    PRESETS,
+    BootstrapConfig,
+    ConfigError,
+    JoinConfig,
+    RunSpec,
+    SimConfig,
+    SimulateConfig,
+    StatusConfig,
+    preset,
+)
+from p2p_diloco.config.load import leaves
 
 
 def test_spec_hash_is_content_hash():
@@ -47,20 +58,24 @@ def test_from_dict_refuses_unknown_fields():
         RunSpec.from_dict(d)
 
 
-def test_every_config_field_has_a_docstring():
-    for cls in (InnerConfig, SimConfig) + tuple(type(getattr(RunSpec(), f)) for f in ("model", "data", "outer")):
+@pytest.mark.parametrize("root", [JoinConfig, SimulateConfig, BootstrapConfig, StatusConfig])
+def test_every_config_field_has_a_docstring(root):
+    owners = {owner for _path, owner, _tp in leaves(root)} | {root}
+    for cls in owners:
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
 
 
 def test_generated_options_override_nested_fields():
-    parser = argparse.ArgumentParser()
-    add_dataclass_args(parser, RunSpec, preset("test"), title="spec", dest="spec")
-    args = parser.parse_args(["--inner-steps", "7", "--codec", "int4", "--nesterov", "false", "--run-id", "x"])
-    spec = apply_args(preset("test"), args, "spec")
+    parser = ArgumentParser()
+    add_config_args(parser, simulate_options("test"))
+    args = parser.parse_args(["--inner-steps", "7", "--spec.outer.codec", "int4", "--nesterov", "false",
+                              "--spec.run_id", "x", "--sim.peers", "3"])
+    config = apply_args(SimulateConfig(spec=preset("test")), args, "simulate")
+    spec = config.spec
     assert (spec.inner.inner_steps, spec.outer.codec, spec.outer.nesterov, spec.run_id) == (7, "int4", False, "x")
-    assert spec.model == preset("test").model
+    assert spec.model == preset("test").model and config.sim.peers == 3
 
 
 def test_sim_config_parses_scripts_and_refuses_bad_ones():

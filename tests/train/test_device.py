@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from p2p_diloco.config import ConfigError, SimConfig, preset
-from p2p_diloco.peer.process import PeerConfig
+from p2p_diloco.config import ConfigError, JoinConfig, SimConfig, TrainingConfig, preset
+from p2p_diloco.peer.process import Peer
 from p2p_diloco.sim.runner import simulate
 from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.device import resolve_device
@@ -53,9 +53,9 @@ def test_missing_cuda_is_a_clear_config_error(corpus) -> None:
         resolve_device("cuda")
     with pytest.raises(ConfigError, match="is_available"):
         resolve_device("cuda:1")
-    # Every entry point checks before it trains: the peer's config, the simulator, the learner itself.
+    # Every entry point checks before it trains: the peer, the simulator, the learner itself.
     with pytest.raises(ConfigError, match=message):
-        PeerConfig(device="cuda").validate()
+        Peer(JoinConfig(training=TrainingConfig(device="cuda")))
     with pytest.raises(ConfigError, match=message):
         simulate(SPEC, SimConfig(peers=2, total_steps=20, device="cuda"), corpus)
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,44 @@
+"""Every configuration of the runtime, as frozen dataclasses with a docstring under each field.
+
+Light by rule: the standard library only, so `p2p-diloco ... --help` (built from these docstrings by
+cli/args.py) never imports torch or hivemind. Nothing here reads the environment.
+
+  spec.py       the RunSpec every peer of a run shares (model, data, inner, outer, defence), ConfigError, CODECS
+  presets.py    named RunSpecs (`--preset`)
+  join.py       JoinConfig: one nested config for `p2p-diloco join` (spec, network, training, checkpoint, ...)
+  network.py    NetworkConfig, GossipConfig, StateSyncConfig; BootstrapConfig and StatusConfig for those commands
+  admission.py  AccessConfig (closed runs), RateLimitConfig, AdmissionConfig
+  sim.py        SimConfig and SimulateConfig (`p2p-diloco simulate`)
+  load.py       a TOML file into a config, one clear line per mistake
+"""
+
+from p2p_diloco.config.admission import AccessConfig, AdmissionConfig, RateLimitConfig
+from p2p_diloco.config.join import CheckpointConfig, JoinConfig, LoggingConfig, TrainingConfig
+from p2p_diloco.config.network import (
+    DEFAULT_BOOTSTRAP_PORT,
+    BootstrapConfig,
+    GossipConfig,
+    NetworkConfig,
+    StateSyncConfig,
+    StatusConfig,
+)
+from p2p_diloco.config.presets import PRESETS, preset
+from p2p_diloco.config.sim import SimConfig, SimulateConfig
+from p2p_diloco.config.spec import (
+    AGGREGATIONS,
+    CODECS,
+    ConfigError,
+    DataConfig,
+    DefenceConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    RunSpec,
+)
+
+__all__ = [
+    "AGGREGATIONS", "CODECS", "DEFAULT_BOOTSTRAP_PORT", "PRESETS", "AccessConfig", "AdmissionConfig",
+    "BootstrapConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DefenceConfig", "GossipConfig",
+    "InnerConfig", "JoinConfig", "LoggingConfig", "ModelConfig", "NetworkConfig", "OuterConfig", "RateLimitConfig",
+    "RunSpec", "SimConfig", "SimulateConfig", "StateSyncConfig", "StatusConfig", "TrainingConfig", "preset",
+]

@@ -1,0 +1,115 @@
+"""Closed runs and rate limits: who may take part, and how much of a peer's time one remote may take.
+
+The rules are enforced by net/admission/ (policy.py, guard.py); the settings are here, light, for the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2p_diloco.config.spec import ConfigError
+
+MAX_SECRET_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """Closed runs: who may take part (`--allow-peers`, shared in the RunSpec) and the run secret (this peer's)."""
+
+    allow_peers: str = ""
+    """File of PeerIDs allowed in this run, one per line (# comments); loaded into the RunSpec's
+    defence.allowed_senders, so every peer of the run must use the same list (empty: anyone may join)."""
+    run_secret: str = ""
+    """A secret every member of the run knows (visible in `ps`: prefer --run-secret-file); empty: none."""
+    run_secret_file: str = ""
+    """File holding the run secret (its first line); members prove they know it, non-members are refused."""
+
+    def validate(self) -> AccessConfig:
+        if self.run_secret and self.run_secret_file:
+            raise ConfigError("give the run secret once: --run-secret or --run-secret-file, not both")
+        return self
+
+    def secret(self) -> bytes | None:
+        """The run secret as bytes, or None for a run without one; ConfigError if the file is unusable."""
+        self.validate()
+        if self.run_secret_file:
+            path = Path(self.run_secret_file).expanduser()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"cannot read the run secret file {path}: {e}") from None
+            lines = text.splitlines()
+            secret = lines[0].strip() if lines else ""
+            if not secret:
+                raise ConfigError(f"the run secret file {path} is empty; put the secret on its first line")
+        else:
+            secret = self.run_secret
+        if not secret:
+            return None
+        if len(secret.encode()) > MAX_SECRET_BYTES:
+            raise ConfigError(f"the run secret is longer than {MAX_SECRET_BYTES} bytes")
+        return secret.encode()
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    """Per-remote limits on requests and bytes, so one remote cannot take a peer's time from the others."""
+
+    announces_per_s: float = 30.0
+    """Announces accepted per remote per second (sustained); more are refused as rate limited. An honest peer
+    sends one per update it publishes or pulls, so a few per second even with H=2 on a small model."""
+    pulls_per_s: float = 20.0
+    """Pull requests served per remote per second (sustained; a catching-up peer pulls back to back)."""
+    snapshot_requests_per_s: float = 100.0
+    """State-sync manifest and chunk requests served per remote per second (sustained)."""
+    evidence_per_s: float = 2.0
+    """Equivocation evidence messages accepted per remote per second (each costs two signature checks)."""
+    hellos_per_s: float = 1.0
+    """Admission checks (`hello`) answered per remote per second."""
+    bytes_out_per_s: float = 256e6
+    """Bytes served to one remote per second (sustained; one response may overdraw, then it waits)."""
+    bytes_in_per_s: float = 256e6
+    """Bytes accepted from one remote per second (its requests, and the pull responses we read from it)."""
+    burst_s: float = 10.0
+    """Each bucket holds this many seconds of its rate: short bursts pass, floods do not."""
+    max_streams_per_peer: int = 16
+    """Streams one remote may have open on this peer at once (all handlers together)."""
+    min_stream_bytes_per_s: float = 16384.0
+    """After a grace of one timeout, a stream must average at least this many bytes per second, or it is cut."""
+    penalty_s: float = 30.0
+    """A remote that sent an invalid update (bad signature, garbage, wrong run or shape, non-finite...) is
+    neither pulled from nor listened to for this many seconds (0: never)."""
+    max_tracked_peers: int = 1024
+    """Remotes whose buckets and counters are kept (least recently seen forgotten first)."""
+
+    def validate(self) -> RateLimitConfig:
+        rates = (self.announces_per_s, self.pulls_per_s, self.snapshot_requests_per_s, self.evidence_per_s,
+                 self.hellos_per_s, self.bytes_out_per_s, self.bytes_in_per_s)
+        if not all(r > 0 for r in rates) or self.burst_s <= 0:
+            raise ConfigError("rate limits (the ..._per_s options) and burst_s must be > 0")
+        if self.max_streams_per_peer < 1 or self.max_tracked_peers < 1:
+            raise ConfigError("max_streams_per_peer and max_tracked_peers must be >= 1")
+        if self.min_stream_bytes_per_s < 0 or self.penalty_s < 0:
+            raise ConfigError("min_stream_bytes_per_s and penalty_s must be >= 0")
+        return self
+
+    def rate_of(self, kind: str) -> float:
+        """Requests per second allowed for a kind of request (see `request_kind`)."""
+        return {"announce": self.announces_per_s, "pull": self.pulls_per_s, "evidence": self.evidence_per_s,
+                "snapshot": self.snapshot_requests_per_s, "hello": self.hellos_per_s}.get(kind, self.pulls_per_s)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Who may take part in the run and the per-remote limits (TOML tables [admission.access], [admission.rate])."""
+
+    access: AccessConfig = field(default_factory=AccessConfig)
+    """Closed runs: the allow list and the run secret."""
+    rate: RateLimitConfig = field(default_factory=RateLimitConfig)
+    """Rate limits per remote peer."""
+
+    def validate(self) -> AdmissionConfig:
+        self.access.validate()
+        self.rate.validate()
+        return self

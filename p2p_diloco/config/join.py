@@ -1,0 +1,116 @@
+"""`p2p-diloco join`: one nested config for a peer of the real swarm, one section per concern.
+
+Each section is a TOML table of the same name (`[network]`, `[training]`, `[spec.outer]`, `[admission.rate]`...)
+and a family of `--SECTION.FIELD` options (cli/args.py). Only `spec` is shared by the peers of a run (and
+hashed); every other section is this peer's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from p2p_diloco.config.admission import AdmissionConfig
+from p2p_diloco.config.network import GossipConfig, NetworkConfig, StateSyncConfig
+from p2p_diloco.config.spec import RunSpec, _require
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How long this peer trains, on what device and which data shard, and how often it evaluates."""
+
+    rounds: int = 0
+    """Outer rounds to train (0: until Ctrl-C)."""
+    device: str = "auto"
+    """Where the model trains: auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps. The replica and
+    everything sent stay on the CPU in float32, so peers on different devices train one run together."""
+    torch_threads: int = 0
+    """CPU threads for torch (0: torch's default; 1 when several peers share a machine)."""
+    shard: int = -1
+    """Data shard to train on (-1: int(sha256(peer id)) mod num_shards)."""
+    num_shards: int = 16
+    """Number of disjoint data shards the training text is cut into."""
+    eval_every: int = 5
+    """Eval loss of the replica every this many rounds (0: only at the start and at the end)."""
+    eval_batches: int = 4
+    """Batches in the fixed eval set (the same windows on every peer)."""
+    linger_s: float = 60.0
+    """After the last round, keep serving until every live peer holds our replica (quiet) or this many seconds."""
+    finish_phase_within_s: float = 2.0
+    """On Ctrl-C/SIGTERM, finish the inner phase if it ends within this many seconds, else drop it."""
+
+    def validate(self) -> TrainingConfig:
+        _require(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
+        _require(-1 <= self.shard < self.num_shards, f"shard must be in [0, {self.num_shards}) or -1, got {self.shard}")
+        _require(self.rounds >= 0 and self.eval_every >= 0, "rounds and eval_every must be >= 0")
+        _require(self.eval_batches >= 1, f"eval_batches must be >= 1, got {self.eval_batches}")
+        _require(self.linger_s >= 0 and self.finish_phase_within_s >= 0,
+                 "linger_s and finish_phase_within_s must be >= 0")
+        _require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
+        return self
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints and the journal of our signed updates: what a restart resumes from."""
+
+    every: int = 10
+    """Write a checkpoint (replica, version vector, outer momentum and error feedback, inner AdamW state, data
+    position) every this many rounds and on a clean exit; a restart resumes from it (0: no checkpoints, no
+    journal: a restart starts over with a state sync)."""
+    dir: str = ""
+    """Folder for checkpoints and the journal of our signed updates (empty: OUT_DIR/checkpoints with --out-dir,
+    else ~/.local/share/p2p-diloco/RUN-SPEC/PEER_ID). Restart with the same --identity and folder to resume."""
+    keep: int = 2
+    """Checkpoints kept, newest first: an older one is the fallback when a crash tore the newest."""
+    catch_up_stall_s: float = 20.0
+    """After a restart, pull what peers merged since the checkpoint; if nothing new merges for this many
+    seconds, the gap is older than peers retain: state sync instead (training starts after 10x this anyway)."""
+
+    def validate(self) -> CheckpointConfig:
+        _require(self.every >= 0 and self.keep >= 1,
+                 f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every} and {self.keep}")
+        _require(self.catch_up_stall_s > 0, f"catch_up_stall_s must be > 0, got {self.catch_up_stall_s}")
+        return self
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where this peer reports: the final replica and the per-round JSON log."""
+
+    out_dir: str = ""
+    """On exit, write the replica (theta.pt) and its version vector (version_vector.json) into this folder."""
+    json_log: str = ""
+    """Append one JSON object per round (and per start, sync, eval and final event) to this file."""
+
+    def validate(self) -> LoggingConfig:
+        return self
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """A peer of the real swarm: the run it trains (`spec`, shared) and everything that is its own."""
+
+    spec: RunSpec = field(default_factory=RunSpec)
+    """The run: every peer of it holds the same spec (content-hashed)."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """This peer's identity, addresses and DHT options."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Rounds, device, data shard, evaluation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and the journal a restart resumes from."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """The final replica and the JSON log."""
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    """How updates spread."""
+    statesync: StateSyncConfig = field(default_factory=StateSyncConfig)
+    """Snapshot transfers to joining peers (both sides)."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """Closed runs and per-remote rate limits."""
+
+    def validate(self) -> JoinConfig:
+        """Every section checked (ConfigError or ValueError, with the field named); the device is checked where
+        the peer starts, since that needs torch."""
+        for section in (self.spec, self.network, self.training, self.checkpoint, self.logging, self.gossip,
+                        self.statesync, self.admission):
+            section.validate()
+        return self

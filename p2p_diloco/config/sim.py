@@ -1,0 +1,108 @@
+"""The in-process swarm's configuration (`p2p-diloco simulate`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from p2p_diloco.config.spec import ConfigError, RunSpec, _require
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The in-process swarm: N learner units on one simulated clock, and the network between them."""
+
+    peers: int = 4
+    """Learner units at the start."""
+    method: str = "async"
+    """async (p2p DiLoCo), sync (DiLoCo with a barrier every H steps) or dp (data-parallel, all-reduce every step)."""
+    total_steps: int = 800
+    """Token budget: inner steps summed over all peers (equal across methods)."""
+    speeds: tuple[str, ...] = ()
+    """Per-peer speed factors, comma-separated (e.g. 1,1,1,0.25); missing ones are 1."""
+    step_time_s: float = 1.0
+    """Simulated seconds per inner step at speed 1."""
+    latency_s: float = 0.05
+    """One-way message latency, seconds."""
+    bandwidth_mbps: float = 100.0
+    """Each peer's uplink, megabits per second."""
+    loss: float = 0.0
+    """Probability that a message is lost; lost updates come back through anti-entropy."""
+    anti_entropy_s: float = 10.0
+    """Simulated seconds until a lost message is recovered by anti-entropy."""
+    latency_jitter_s: float = 0.0
+    """Extra one-way latency per message, uniform in [0, this], seconds: real links and gossip hops vary."""
+    start_spread_s: float = 0.0
+    """Each peer starts at a time uniform in [0, this], seconds: real peers never start together."""
+    phase_jitter: float = 0.0
+    """Each inner phase lasts (1 + uniform(-j, j)) times its nominal time: a shared machine's noise."""
+    timing_seed: int = 0
+    """Seed of the timing noise (start spread, phase and latency jitter), apart from the run's seed."""
+    crash: tuple[str, ...] = ()
+    """Scripted crashes PEER@SECONDS, comma-separated (e.g. 2@300): the peer dies, its phase is lost."""
+    join: tuple[str, ...] = ()
+    """Scripted joins at SECONDS, comma-separated: a new peer syncs state from a live one and trains."""
+    eval_every_s: float = 0.0
+    """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
+    eval_batches: int = 8
+    """Eval batches per eval point."""
+    device: str = "cpu"
+    """Where every simulated peer's model trains: cpu (reproducible results), auto, cuda, cuda:N or mps."""
+
+    def validate(self) -> SimConfig:
+        _require(self.peers >= 1, f"peers must be >= 1, got {self.peers}")
+        _require(self.method in ("async", "sync", "dp"), f"method must be async, sync or dp, got {self.method!r}")
+        _require(self.total_steps > 0, f"total_steps must be > 0, got {self.total_steps}")
+        _require(self.step_time_s > 0, f"step_time_s must be > 0, got {self.step_time_s}")
+        _require(self.latency_s >= 0, f"latency_s must be >= 0, got {self.latency_s}")
+        _require(self.bandwidth_mbps > 0, f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
+        _require(0 <= self.loss < 1, f"loss must be in [0, 1), got {self.loss}")
+        _require(self.anti_entropy_s > 0, f"anti_entropy_s must be > 0, got {self.anti_entropy_s}")
+        _require(self.latency_jitter_s >= 0, f"latency_jitter_s must be >= 0, got {self.latency_jitter_s}")
+        _require(self.start_spread_s >= 0, f"start_spread_s must be >= 0, got {self.start_spread_s}")
+        _require(0 <= self.phase_jitter < 1, f"phase_jitter must be in [0, 1), got {self.phase_jitter}")
+        _require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
+        speeds = self.speed_factors()
+        _require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")
+        self.crashes()
+        self.joins()
+        return self
+
+    def speed_factors(self) -> list[float]:
+        try:
+            given = [float(s) for s in self.speeds]
+        except ValueError as err:
+            raise ConfigError(f"speeds must be numbers, got {self.speeds}: {err}") from None
+        _require(len(given) <= self.peers, f"{len(given)} speeds given for {self.peers} peers")
+        return given + [1.0] * (self.peers - len(given))
+
+    def crashes(self) -> list[tuple[int, float]]:
+        out = []
+        for item in self.crash:
+            peer, _, at = item.partition("@")
+            try:
+                out.append((int(peer), float(at)))
+            except ValueError:
+                raise ConfigError(f"crash must look like PEER@SECONDS (e.g. 2@300), got {item!r}") from None
+            _require(0 <= out[-1][0] < self.peers, f"crash names peer {out[-1][0]}, but peers are 0..{self.peers - 1}")
+        return out
+
+    def joins(self) -> list[float]:
+        try:
+            return [float(t) for t in self.join]
+        except ValueError:
+            raise ConfigError(f"join must be times in seconds, got {self.join}") from None
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    """Everything `p2p-diloco simulate` runs: the run's spec and the simulated swarm (TOML tables [spec...], [sim])."""
+
+    spec: RunSpec = field(default_factory=RunSpec)
+    """The run every simulated peer trains."""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """The simulated swarm and its network."""
+
+    def validate(self) -> SimulateConfig:
+        self.spec.validate()
+        self.sim.validate()
+        return self

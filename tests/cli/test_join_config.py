@@ -1,0 +1,103 @@
+"""`join`'s one nested config: a short --help, a complete --help-all, a TOML file under command-line options,
+and a mistake in either is one line and exit code 2 before anything touches the network."""
+
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+
+from p2p_diloco.cli.args import dotted_flag
+from p2p_diloco.cli.main import build_parser
+from p2p_diloco.cli.swarm import join_config
+from p2p_diloco.config import JoinConfig, SimulateConfig, preset
+from p2p_diloco.config.load import leaves
+
+OPTION_LINE = r"^ +(-[A-Za-z], )?--[a-z]"
+
+
+def _run(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _options(text: str) -> list[str]:
+    import re
+
+    return [line for line in text.splitlines() if re.match(OPTION_LINE, line)]
+
+
+def test_join_help_is_short_and_points_to_help_all():
+    proc = _run("join", "--help")
+    assert proc.returncode == 0
+    assert len(_options(proc.stdout)) <= 25, proc.stdout
+    flat = " ".join(proc.stdout.split())
+    assert "--SECTION.FIELD" in flat and "--help-all" in flat
+    for flag in ("--config", "--bootstrap", "--identity", "--preset", "--device", "--rounds", "--out-dir"):
+        assert flag in proc.stdout
+
+
+@pytest.mark.parametrize("command, root", [("join", JoinConfig), ("simulate", SimulateConfig)])
+def test_help_all_lists_every_field_by_section(command, root):
+    proc = _run(command, "--help-all")
+    assert proc.returncode == 0, proc.stderr
+    for path, _owner, _tp in leaves(root):
+        assert dotted_flag(path) in proc.stdout, dotted_flag(path)
+    if command == "join":
+        for section in ("[network]", "[training]", "[checkpoint]", "[gossip]", "[admission.rate]", "[spec.outer]"):
+            assert section in proc.stdout
+        assert "Random peers to announce to after publishing" in proc.stdout and "(default: 3)" in proc.stdout
+
+
+def _join_args(*argv: str):
+    return build_parser().parse_args(["join", *argv])
+
+
+def test_toml_file_then_command_line_over_it(tmp_path):
+    path = tmp_path / "peer.toml"
+    path.write_text('[spec]\nrun_id = "mine"\n[spec.inner]\ninner_steps = 7\n[gossip]\nfanout = 5\n'
+                    '[training]\nrounds = 3\n[network]\nbootstrap = ["/ip4/1.2.3.4/tcp/1/p2p/x"]\n'
+                    '[admission.rate]\nburst_s = 4\n')
+    config = join_config(_join_args("--preset", "tiny", "--config", str(path), "--gossip.fanout", "2",
+                                    "--rounds", "9", "--spec.inner.lr", "0.01", "--checkpoint-every", "4"))
+    tiny = preset("tiny")
+    assert config.spec.run_id == "mine" and config.spec.inner.inner_steps == 7  # the file over the preset
+    assert config.spec.model == tiny.model  # the preset where the file says nothing
+    assert config.gossip.fanout == 2 and config.training.rounds == 9  # the command line over the file
+    assert config.spec.inner.lr == 0.01 and config.checkpoint.every == 4  # dotted, and an older flat name
+    assert config.network.bootstrap == ("/ip4/1.2.3.4/tcp/1/p2p/x",) and config.admission.rate.burst_s == 4.0
+    assert config.gossip == dataclasses.replace(JoinConfig().gossip, fanout=2)
+
+
+def test_profiles_load(tmp_path):
+    from pathlib import Path
+
+    for name in ("cpu-volunteer", "gpu-24gb"):
+        path = Path(__file__).resolve().parents[2] / "peers" / f"{name}.toml"
+        config = join_config(_join_args("--config", str(path)))
+        assert config.spec.run_id == {"cpu-volunteer": "cpu-volunteers", "gpu-24gb": "gpu-24gb"}[name]
+
+
+@pytest.mark.parametrize("content, extra, message", [
+    ("[gossip]\nfanot = 3\n", [], "peer.toml: [gossip] unknown key 'fanot' (did you mean 'fanout'?)"),
+    ('[gossip]\nfanout = "three"\n', [], "peer.toml: [gossip] fanout must be an integer, got 'three'"),
+    ("[trainig]\nrounds = 3\n", [], "peer.toml: unknown key 'trainig' (did you mean 'training'?)"),
+    ("[training\nrounds = 3\n", [], "peer.toml: not valid TOML: Expected ']' at the end of a table declaration "
+                                    "(at line 1, column 10)"),
+    ("[training]\nrounds = -1\n", [], "rounds and eval_every must be >= 0"),
+    ("", ["--gossip.fanout", "x"], "argument --gossip.fanout: invalid int value: 'x'"),
+    ("", ["--gossip.fanot", "3"], "unrecognized arguments: --gossip.fanot 3 (did you mean --gossip.fanout?)"),
+])
+def test_a_mistake_is_one_line_and_exit_2_before_the_network(tmp_path, content, extra, message):
+    path = tmp_path / "peer.toml"
+    path.write_text(content)
+    # A bootstrap nobody answers: had the node started, this would take seconds and print more than one line.
+    t0 = time.monotonic()
+    proc = _run("join", "--config", str(path), "--identity", str(tmp_path / "id.key"),
+                "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGnTpqbfX2NJGtHVg8BE1L3m8rRmZf1oK7DfFrCqH8ZkF",
+                *extra, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    message = message.replace("peer.toml", str(path), 1) if message.startswith("peer.toml") else message
+    assert proc.stderr.strip().splitlines() == [f"p2p-diloco join: error: {message}"], proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "id.key").exists() and time.monotonic() - t0 < 30
