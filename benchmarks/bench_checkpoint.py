@@ -23,6 +23,7 @@ from p2p_diloco.config import preset
 from p2p_diloco.train.checkpoint import StateManager
 from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.train.loop import run_rounds
 from p2p_diloco.wire.identity import Identity
 
 
@@ -54,7 +55,7 @@ def measure(name: str, repeats: int, inner_steps: int) -> dict:
         state.attach(learner)
         exchange = Keep(inner_steps * spec.data.batch_size)
         t0 = time.perf_counter()
-        learner.run_round(exchange)  # AdamW state exists, one update journaled
+        run_rounds(learner, exchange)  # AdamW state exists, one update journaled
         round_s = time.perf_counter() - t0
         saves, appends = [], []
         for _ in range(repeats):

@@ -12,7 +12,7 @@ update into its own replica, and publishes a tampered one instead:
 Every tampered update is correctly signed: the defences under test are the receivers' (sync/intake.py,
 sync/robust.py), not the signature check. `HostileSwarm` is `AsyncSwarm` with such peers, its peers' intake
 on the simulated clock (gap timeouts), their stores attached to the intake (bans purge them), and the
-replica repair of DESIGN.md section 4 at every anti-entropy tick (`Replica.adopt` on `unservable_for`).
+replica repair of ARCHITECTURE.md "The network" at every anti-entropy tick (`Replica.adopt` on `unservable_for`).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class HostileSwarm(AsyncSwarm):
         self._repair()
 
     def _repair(self) -> None:
-        """DESIGN.md section 4, "Repair": a replica that merged an update another skipped, and can no longer
+        """ARCHITECTURE.md "The network" (repair): a replica that merged an update another skipped, and can no longer
         serve it, adopts that peer's state and re-merges what it holds beyond it, if at least as many peers
         skipped it as merged it; a skipper outvoted by mergers adopts a merger's state (net/gossip/repair.py's rules;
         the simulator knows every vector and needs no grace)."""

@@ -1,5 +1,5 @@
-"""What a simulated run reports (DESIGN.md section 8): loss at equal tokens, bytes, utilization, staleness,
-replica divergence."""
+"""What a simulated run reports (ARCHITECTURE.md, "What we measure"): loss at equal tokens, bytes, utilization,
+staleness, replica divergence."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class SimResult:
 
 
 def divergence(thetas: list[torch.Tensor]) -> float:
-    """max_i ||theta_i - mean|| / ||mean|| (DESIGN.md section 8)."""
+    """max_i ||theta_i - mean|| / ||mean|| (ARCHITECTURE.md "What we measure")."""
     if len(thetas) < 2:
         return 0.0
     mean = torch.stack(thetas).mean(0)

@@ -1,9 +1,11 @@
 """The in-process async swarm: N learner units on one simulated clock over the in-memory network.
 
-Each unit trains at its own speed and publishes when its phase ends; nobody waits for anybody. A unit's
-inner steps are computed lazily: before a remote update lands in its replica, the unit first runs the
-steps it would have finished by then (`_advance`), so mid-phase rebasing sees updates at the step they
-would reach on a real network (to within one step).
+Each unit runs the one round loop (train/loop.py `rounds`) at its own speed and publishes when its phase
+ends; nobody waits for anybody. The simulator advances each unit's loop on the simulated clock: a phase
+begins (`_start_phase`), and its inner steps are computed lazily: before a remote update lands in its
+replica, the unit first runs the steps it would have finished by then (`_advance`), so mid-phase rebasing
+sees updates at the step they would reach on a real network (to within one step); at the phase's end the
+rest of the steps run and the round is published (`_end_phase`).
 
 Dissemination: the sender pushes a copy to every peer (what gossip achieves on average); lost messages and
 joiners' gaps are repaired by anti-entropy, a periodic pull of what a random peer holds and we lack.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +28,7 @@ from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.train.data import Corpus, eval_batches
 from p2p_diloco.train.device import resolve_device
 from p2p_diloco.train.learner import Learner, Phase, SwarmView
+from p2p_diloco.train.loop import Hooks, PhaseBegun, RoundDone, Schedule, Tick, rounds
 from p2p_diloco.wire.envelope import encode_update
 from p2p_diloco.wire.identity import Identity
 
@@ -39,6 +43,7 @@ class SimPeer:
     store: UpdateStore
     exchange: MemoryExchange
     alive: bool = True
+    ticks: Generator[Tick, None, str] | None = None  # its round loop, advanced on the simulated clock
     busy: bool = False  # inside an inner phase
     phase: Phase | None = None
     phase_started: float = 0.0
@@ -50,6 +55,21 @@ class SimPeer:
     done_at: float | None = None  # when the token budget ran out for it: utilization is measured until then
     taus: list[int] = field(default_factory=list)
     held_since: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+class TokenBudget(Hooks):
+    """The simulator's hooks into each unit's loop: a phase begins only if the swarm's token budget (inner
+    steps summed over all peers) still covers it; phases are charged when they start."""
+
+    def __init__(self, swarm: AsyncSwarm) -> None:
+        self.swarm = swarm
+
+    def admit(self) -> bool:
+        H = self.swarm.spec.inner.inner_steps
+        if self.swarm.steps_started + H > self.swarm.sim.total_steps:
+            return False
+        self.swarm.steps_started += H
+        return True
 
 
 class AsyncSwarm:
@@ -91,6 +111,7 @@ class AsyncSwarm:
                           num_shards=self.num_shards, replica_state=state, device=self.device)
         peer = SimPeer(index=index, learner=learner, speed=speed, store=UpdateStore(max_bytes=256 << 20),
                        exchange=MemoryExchange(self.net, learner.peer_id, self._view), joined_at=self.queue.now)
+        peer.ticks = rounds(learner, peer.exchange, Schedule(), TokenBudget(self))
         self.peers.append(peer)
         self.net.attach(learner.peer_id, lambda data, src, p=peer: self._receive(p, data))
         return peer
@@ -113,15 +134,14 @@ class AsyncSwarm:
     # ---- the round loop on the simulated clock ------------------------------------------------------
 
     def _start_phase(self, peer: SimPeer) -> None:
-        H = self.spec.inner.inner_steps
-        if not peer.alive or self.steps_started + H > self.sim.total_steps:
+        tick = next(peer.ticks, None) if peer.alive else None  # the loop: the budget (admit), then begin_phase
+        if not isinstance(tick, PhaseBegun):  # crashed, or the budget is spent: the loop has ended
             if peer.busy and peer.alive:
                 peer.done_at = self.queue.now
             peer.busy = False
             return
-        self.steps_started += H
         peer.busy = True
-        peer.phase = peer.learner.begin_phase()
+        peer.phase = tick.phase
         peer.phase_started = self.queue.now
         jitter = self.sim.phase_jitter
         noise = self.timing_rng.uniform(-jitter, jitter) if jitter else 0.0
@@ -140,21 +160,22 @@ class AsyncSwarm:
     def _advance(self, peer: SimPeer) -> None:
         """Run the inner steps this peer would have finished by now on its simulated clock."""
         due = min(self.spec.inner.inner_steps, int((self.queue.now - peer.phase_started) / peer.step_s + 1e-9))
-        if due > peer.phase.steps_done:
-            peer.learner.run_inner(peer.phase, due - peer.phase.steps_done)
+        while peer.phase.steps_done < due:
+            next(peer.ticks)  # one inner step (StepDone)
 
     def _end_phase(self, peer: SimPeer, incarnation: int) -> None:
         if not peer.alive or incarnation != peer.incarnation:
             return  # crashed mid-phase: the phase is lost, as on a real machine
-        learner = peer.learner
-        result = learner.run_inner(peer.phase)
-        update = learner.finish_phase(peer.phase, result, peer.exchange.swarm_view())
+        tick = next(peer.ticks)  # the phase's remaining inner steps, then finish and publish
+        while not isinstance(tick, RoundDone):
+            tick = next(peer.ticks)
+        update, result = tick.update, tick.result
         peer.taus.append(update.header.tau)
         peer.compute_s += self._phase_s(peer)
         self.steps_published += self.spec.inner.inner_steps
+        # Published by the loop just now, in this same simulated instant: nothing was delivered in between.
         peer.store.add(update)
         peer.held_since[(update.sender, update.seq)] = self.queue.now
-        peer.exchange.publish(update)
         if self.progress:
             self.progress(self.steps_published, self.sim.total_steps, result.mean_loss)
         self._start_phase(peer)
@@ -189,6 +210,7 @@ class AsyncSwarm:
             return
         peer.alive, peer.busy, peer.left_at = False, False, self.queue.now
         peer.incarnation += 1
+        peer.ticks.close()  # its phase is lost, as on a real machine
         self.net.detach(peer.learner.peer_id)
         logger.info("sim: peer %d crashed at t=%.0fs", index, self.queue.now)
 

@@ -1,5 +1,5 @@
 """The state manager: checkpoints and the journal of signed updates, so a restarted learner unit resumes
-(DESIGN.md section 5, invariant 5).
+(ARCHITECTURE.md "Invariants", 5).
 
 Layout of a peer's folder (one per peer and run; `owner.json` says whose, and `lock` keeps a second process
 out):

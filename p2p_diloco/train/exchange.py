@@ -2,8 +2,9 @@
 
 The learner hands finished updates to `publish` (which must not block: an inner phase never waits on the
 network) and reads the swarm's size and throughput from `swarm_view` to weight its next update. Remote
-updates arrive on the exchange's own schedule and go through `Intake` into the replica. Two
-implementations: `MemoryExchange` (simulator, tests) and the hivemind swarm (`peer/process.py`).
+updates arrive on the exchange's own schedule and go through `Intake` into the replica. The round loop
+(train/loop.py) takes one as its only view of the network. Two implementations: `MemoryExchange` (sim/memory.py:
+simulator, tests) and `SwarmExchange` (peer/exchange.py: the hivemind swarm).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The learner unit: one replica, one local model, and the round loop of DESIGN.md section 3.
+"""The learner unit: one replica, one local model, and the phases of the round loop
+(ARCHITECTURE.md, "The round loop"; the loop itself is train/loop.py `rounds`).
 
     base, V_base <- snapshot(replica);  phi <- base
     H inner steps of AdamW on phi                      (compute; never waits on the network)
@@ -7,9 +8,10 @@
     U <- sign(header{run, sender, seq, tau, samples, w, codec, digest}, q)
     merge(U) locally; publish(U)
 
-The learner knows nothing about networks or clocks: the caller (the simulator, or the swarm's compute
-thread) decides when a phase begins and ends and where the update goes. Remote updates reach the replica
-through `Intake` on another thread; the replica's lock makes the merge and the snapshot atomic.
+The learner knows nothing about networks or clocks: the round loop (train/loop.py), paced by its caller (the
+simulator's clock, or the peer's compute thread), decides when a phase begins and ends and where the update
+goes. Remote updates reach the replica through `Intake` on another thread; the replica's lock makes the merge
+and the snapshot atomic.
 
 Devices: phi, its AdamW state and the batches live on `device` (a GPU if the peer has one); theta, the version
 vector, the outer state and the codecs stay on the CPU in float32. That is the network-facing state: merged by
@@ -98,9 +100,8 @@ class Learner:
         # GPUs is a later optimisation.
         self.model.to(self.device)
         self.numel = theta.numel()
-        self.codec = get_codec(spec.outer.codec, spec.outer.codec_block)
-        self.replica = Replica(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight,
-                               decode=self._decode)
+        self.codec = get_codec(spec.outer.codec, spec.outer.codec_block)  # the peer's one codec: shared below
+        self.replica = Replica.from_spec(spec, theta, codec=self.codec)
         if replica_state is not None:
             self.replica.load(*replica_state)
         self.intake = Intake(spec, self.numel, self.replica)
@@ -116,9 +117,6 @@ class Learner:
         self.persist_update: Callable[[OuterUpdate], None] | None = None
         self.history: list[dict] = []
         self._eval_model: torch.nn.Module | None = None
-
-    def _decode(self, update) -> torch.Tensor:
-        return self.codec.decompress(update.payload, update.header.numel)
 
     # ---- the round loop, in three named parts so a caller can interleave the network ----------------
 
@@ -156,7 +154,7 @@ class Learner:
         """Pseudo-gradient -> outer update, signed, merged into our own replica; the caller publishes it."""
         phi = flat_params(self.model).cpu()  # the pseudo-gradient and all after it: CPU, float32
         delta = pseudo_gradient(phase.base, phi)
-        payload, _ = outer_update(delta, self.outer_state, self.spec.outer, self.codec)
+        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec)
         tau = self.replica.version_vector.staleness(phase.version_vector)
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
         own_merged = self.replica.version_vector.get(self.peer_id)
@@ -169,7 +167,7 @@ class Learner:
         if self.persist_update is not None:
             self.persist_update(update)
         self.last_seq = update.seq
-        outcome, _ = self.replica.offer(update)
+        outcome, _ = self.replica.offer(update, decoded=decoded)  # what receivers decode: not decoded again
         # Our own next seq always merges, unless a restart left a gap in our own seqs that no journal entry
         # could fill, or a repair (net/gossip/repair.py) adopted a state without some of our updates that our store no
         # longer held (it waits for gossip to bring the missing ones); anything else is a bug. Read again: the
@@ -180,14 +178,6 @@ class Learner:
         self.history.append({"step": self.step, "seq": update.seq, "tau": tau, "weight": weight,
                              "loss": result.mean_loss, "compute_s": result.compute_s, "rebases": phase.rebases})
         return update
-
-    def run_round(self, exchange) -> tuple[OuterUpdate, InnerResult]:
-        """One whole round against an `Exchange` (train/exchange.py): train, sign, merge, publish."""
-        phase = self.begin_phase()
-        result = self.run_inner(phase)
-        update = self.finish_phase(phase, result, exchange.swarm_view())
-        exchange.publish(update)
-        return update, result
 
     # ---- checkpoints (train/checkpoint.py writes and verifies them; this is what goes in) --------------------
 

@@ -5,7 +5,7 @@ DiLoCo (Douillard et al. 2023) averages the peers' pseudo-gradients and applies 
 average. That step is linear in the pseudo-gradients, so the mean of per-sender Nesterov steps equals the
 Nesterov step of the mean: each sender keeps its own momentum `m` and publishes `d = delta + mu * m`. The
 receivers' merge is then a plain weighted sum, which commutes, so replicas that merged the same updates are
-equal whatever the arrival order (DESIGN.md section 3).
+equal whatever the arrival order (ARCHITECTURE.md "The merge rule").
 
 Compression error feedback (Seide et al. 2014; Karimireddy et al. 2019): what the codec loses this round is
 added to the next round's update, so nothing is lost for good, only delayed.

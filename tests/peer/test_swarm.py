@@ -253,9 +253,10 @@ def test_spec_mismatch_names_the_fields_and_what_to_do() -> None:
 
 
 def test_addresses_from_host_port_and_announce() -> None:
+    from p2p_diloco.config import NetworkConfig
     from p2p_diloco.net.discovery.status import shard_for
+    from p2p_diloco.net.transport.addresses import announce_maddr, listen_maddr, node_config
     from p2p_diloco.net.transport.node import NodeError
-    from p2p_diloco.peer.process import PeerConfig, announce_maddr, listen_maddr
 
     assert listen_maddr("0.0.0.0", 31337) == "/ip4/0.0.0.0/tcp/31337"
     assert listen_maddr("::", 0) == "/ip6/::/tcp/0"
@@ -265,7 +266,7 @@ def test_addresses_from_host_port_and_announce() -> None:
         announce_maddr("203.0.113.5", 0)
     with pytest.raises(NodeError, match="must be an IP"):
         listen_maddr("localhost", 0)
-    config = PeerConfig(host="0.0.0.0", port=4001, announce=("203.0.113.5",)).node_config()
+    config = node_config(NetworkConfig(host="0.0.0.0", port=4001, announce=("203.0.113.5",)))
     assert config.host_maddrs == ("/ip4/0.0.0.0/tcp/4001",) and config.announce_maddrs == ("/ip4/203.0.113.5/tcp/4001",)
     assert all(0 <= shard_for(f"peer{i}", 16) < 16 for i in range(50))
     assert len({shard_for(f"peer{i}", 16) for i in range(200)}) == 16

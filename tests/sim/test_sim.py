@@ -72,12 +72,13 @@ def test_budget_smaller_than_a_round_is_refused(corpus):
 
 
 def test_learner_round_talks_to_an_exchange(corpus):
-    """Learner.run_round against the in-memory Exchange: publish returns at once, delivery comes later."""
+    """The round loop against the in-memory Exchange: publish returns at once, delivery comes later."""
     import random
 
     from p2p_diloco.sim.events import EventQueue
     from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
     from p2p_diloco.train.learner import Learner, SwarmView
+    from p2p_diloco.train.loop import run_rounds
     from p2p_diloco.wire.identity import Identity
 
     queue = EventQueue()
@@ -85,7 +86,8 @@ def test_learner_round_talks_to_an_exchange(corpus):
     a, b = (Learner(SPEC, Identity.generate(), corpus, shard=i, num_shards=2) for i in range(2))
     net.attach(b.peer_id, lambda data, src: b.intake.receive(data))
     view = SwarmView(num_peers=2, samples_per_round=2 * SPEC.inner.inner_steps * SPEC.data.batch_size)
-    update, result = a.run_round(MemoryExchange(net, a.peer_id, lambda: view))
+    (done,) = run_rounds(a, MemoryExchange(net, a.peer_id, lambda: view))
+    update, result = done.update, done.result
     assert result.steps == SPEC.inner.inner_steps and update.header.weight == 0.5
     assert b.replica.version_vector.get(a.peer_id) == 0  # published, not yet delivered
     queue.run()

@@ -27,6 +27,7 @@ from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.checkpoint import CheckpointFolderError, CheckpointStore, StateManager
 from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.train.loop import run_rounds
 from p2p_diloco.train.outer import OuterState
 from p2p_diloco.wire.envelope import encode_update
 from p2p_diloco.wire.identity import Identity
@@ -49,6 +50,12 @@ class Collect:
 
     def swarm_view(self) -> SwarmView:
         return VIEW
+
+
+def one_round(lrn: Learner, exchange) -> tuple:
+    """One round of the round loop (train/loop.py): (update, inner result)."""
+    (done,) = run_rounds(lrn, exchange)
+    return done.update, done.result
 
 
 class Crash(Exception):
@@ -88,7 +95,7 @@ def checkpointed_after_one_round(folder: Path, identity: Identity, corpus) -> tu
     lrn = learner(identity, corpus)
     state = manager(folder, identity)
     state.attach(lrn)
-    lrn.run_round(Collect())
+    one_round(lrn, Collect())
     state.save(lrn, round=1)
     return lrn, state
 
@@ -104,7 +111,7 @@ def test_learner_state_round_trip_resumes_identically(tmp_path: Path, identity: 
     state = manager(tmp_path / "a", identity)
     state.attach(a)
     for _ in range(2):
-        a.run_round(exchange)
+        one_round(a, exchange)
     state.save(a, round=2)
     rng_at_save = torch.get_rng_state()
     torch.rand(10)  # the process's RNG moves on; the restored one must be the checkpoint's
@@ -121,8 +128,8 @@ def test_learner_state_round_trip_resumes_identically(tmp_path: Path, identity: 
     assert (a.step, a.last_seq) == (b.step, b.last_seq) == (4, 2)
     assert torch.equal(torch.get_rng_state(), rng_at_save)
     # the uninterrupted learner and the restored one take the very same next step (same data, same state)
-    update_a, _ = a.run_round(exchange)
-    update_b, _ = b.run_round(Collect())
+    update_a, _ = one_round(a, exchange)
+    update_b, _ = one_round(b, Collect())
     assert update_a.seq == update_b.seq == 3 and update_a.payload == update_b.payload
     assert torch.equal(a.replica.snapshot()[0], b.replica.snapshot()[0])
 
@@ -281,11 +288,11 @@ def test_restart_takes_back_every_published_update_and_goes_on_at_the_next_seq(
     a, exchange = learner(identity, corpus), Collect()
     state = manager(tmp_path, identity)
     state.attach(a)
-    a.run_round(exchange)
+    one_round(a, exchange)
     state.save(a, round=1)
     m_ckpt = a.outer_state.momentum.clone()
-    a.run_round(exchange)
-    a.run_round(exchange)  # seqs 2 and 3: published after the checkpoint, then the process dies
+    one_round(a, exchange)
+    one_round(a, exchange)  # seqs 2 and 3: published after the checkpoint, then the process dies
     state.close()
 
     b, state, info = restarted(tmp_path, identity, corpus)
@@ -300,7 +307,7 @@ def test_restart_takes_back_every_published_update_and_goes_on_at_the_next_seq(
         assert receiver.intake.receive(encode_update(update))[0] == MergeOutcome.MERGED.value
     for update in state.journaled():
         assert receiver.intake.receive(encode_update(update))[0] == MergeOutcome.DUPLICATE.value
-    update, _ = b.run_round(Collect())
+    update, _ = one_round(b, Collect())
     assert update.seq == 4 and receiver.intake.receive(encode_update(update))[0] == MergeOutcome.MERGED.value
     assert not receiver.replica.banned and receiver.replica.stats["equivocation"] == 0
     assert torch.allclose(receiver.replica.snapshot()[0], b.replica.snapshot()[0], rtol=0, atol=1e-6)
@@ -316,12 +323,12 @@ def test_killed_after_the_journal_write_the_update_is_merged_once(tmp_path: Path
 
     a.persist_update = journal_then_die  # durable, then killed before the merge and the publish
     with pytest.raises(Crash):
-        a.run_round(Collect())
+        one_round(a, Collect())
     assert a.replica.version_vector.get(identity.peer_id) == 1
     state.close()
     b, _, info = restarted(tmp_path, identity, corpus)
     assert info["replayed"] == 1 and b.replica.version_vector.get(identity.peer_id) == 2 and b.last_seq == 2
-    assert b.run_round(Collect())[0].seq == 3
+    assert one_round(b, Collect())[0].seq == 3
 
 
 def test_killed_before_the_journal_write_the_seq_is_still_free(tmp_path: Path, identity: Identity, corpus) -> None:
@@ -332,10 +339,10 @@ def test_killed_before_the_journal_write_the_seq_is_still_free(tmp_path: Path, i
 
     a.persist_update = die  # nobody can have seen seq 2: it was never written, merged or published
     with pytest.raises(Crash):
-        a.run_round(Collect())
+        one_round(a, Collect())
     state.close()
     b, _, info = restarted(tmp_path, identity, corpus)
-    assert info["replayed"] == 0 and b.last_seq == 1 and b.run_round(Collect())[0].seq == 2
+    assert info["replayed"] == 0 and b.last_seq == 1 and one_round(b, Collect())[0].seq == 2
 
 
 def test_an_unreadable_journal_entry_still_reserves_its_seq(tmp_path: Path, identity: Identity, corpus) -> None:
@@ -345,14 +352,14 @@ def test_an_unreadable_journal_entry_still_reserves_its_seq(tmp_path: Path, iden
     b, _, _ = restarted(tmp_path, identity, corpus)
     assert b.last_seq == 2
     # seq 2 may have been published: never sign it again. Our own merge waits for a peer to send seq 2.
-    update, _ = b.run_round(Collect())
+    update, _ = one_round(b, Collect())
     assert update.seq == 3 and b.replica.version_vector.get(identity.peer_id) == 1 and b.replica.n_buffered == 1
 
 
 def test_a_journal_entry_under_the_wrong_name_is_skipped_not_fatal(tmp_path: Path, identity: Identity,
                                                                     corpus) -> None:
     a, state = checkpointed_after_one_round(tmp_path, identity, corpus)
-    a.run_round(Collect())  # journals seq 2 after the checkpoint
+    one_round(a, Collect())  # journals seq 2 after the checkpoint
     folder = state.journal.folder
     # seq 2's bytes under seq 3's name (a bad copy, a restored backup): readable, signed, but not what the name says.
     (folder / "000000000003.update").write_bytes((folder / "000000000002.update").read_bytes())
@@ -366,12 +373,12 @@ def test_without_a_checkpoint_the_journal_alone_keeps_seqs_unique(tmp_path: Path
     a = learner(identity, corpus)
     state = manager(tmp_path, identity)
     state.attach(a)
-    a.run_round(Collect())
-    a.run_round(Collect())
+    one_round(a, Collect())
+    one_round(a, Collect())
     state.close()
     b, state, info = restarted(tmp_path, identity, corpus)
     assert info is None  # no checkpoint: the peer state-syncs, then takes its journal back
-    assert state.adopt_journal(b) == 2 and b.last_seq == 2 and b.run_round(Collect())[0].seq == 3
+    assert state.adopt_journal(b) == 2 and b.last_seq == 2 and one_round(b, Collect())[0].seq == 3
 
 
 # ---- a real process killed while it writes checkpoints ------------------------------------------------------
@@ -467,7 +474,7 @@ def test_the_journal_keeps_the_newest_own_updates_to_publish_them_again(tmp_path
     state.attach(a)
     rounds = JOURNAL_KEEP_RECENT + 3
     for _ in range(rounds):
-        a.run_round(Collect())
+        one_round(a, Collect())
     state.save(a, round=rounds)
     state.save(a, round=rounds)  # the exit checkpoint: every kept checkpoint holds every seq
     assert [u.seq for u in state.journaled()] == list(range(rounds - JOURNAL_KEEP_RECENT + 1, rounds + 1))

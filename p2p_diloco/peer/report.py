@@ -1,0 +1,121 @@
+"""What a peer process tells people and its JSON log, event by event: start, state sync, each round of the
+loop (as its `Hooks`: evaluate, print and log, announce, checkpoint) and the final report.
+
+The lines' format and the JSON log live in peer/output.py; this module decides when they are written and
+what goes in them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from p2p_diloco.peer.output import fmt_bytes, round_line, save_state
+from p2p_diloco.train.loop import Hooks, RoundDone
+
+
+def print_line(line: str) -> None:
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:  # e.g. `p2p-diloco join | head`: keep training, stop printing
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
+
+
+class PeerReport(Hooks):
+    """The real peer's side of the round loop (train/loop.py), and its other reports.
+
+    Keeps what the reports need across rounds: the round reached, the latest eval loss, the last round's
+    record (`last`), and the compute time since training began (utilization)."""
+
+    def __init__(self, spec: Any, learner: Any, network: Any, *, eval_set: list, log: Any,
+                 out: Callable[[str], None], checkpoints: Any) -> None:
+        self.spec, self.learner, self.network = spec, learner, network
+        self.eval_set, self.log, self.out, self.checkpoints = eval_set, log, out, checkpoints
+        self.round = 0
+        self.eval_loss: float | None = None
+        self.last: dict[str, Any] = {}
+        self.compute_s = 0.0
+        self.t_start = time.monotonic()
+
+    def start(self, how: str) -> None:
+        for maddr in self.network.node.visible_maddrs():
+            self.out(f"listening on {maddr}")
+        verb = "published (first peer of the run)" if how == "published" else "matches the swarm's"
+        spec, learner = self.spec, self.learner
+        self.out(f"run '{spec.run_id}' spec {spec.spec_hash()[:12]} {verb}; "
+                 f"{learner.numel:,} parameters, H={spec.inner.inner_steps}, codec={spec.outer.codec}, "
+                 f"device={learner.device}")
+
+    def sync(self, synced: dict | None) -> None:
+        if synced is None:
+            self.out("state sync: not needed (no live peer has merged updates yet); starting from the run's seed")
+            return
+        self.out(f"state sync: loaded replica with V total {synced['vv_total']} from donor {synced['donor']} "
+                 f"({fmt_bytes(synced['bytes'])} in {synced['seconds']:.1f}s)")
+        self.log.write("sync", **synced)
+
+    # ---- the round loop's hooks ---------------------------------------------------------------------------
+
+    def training_begins(self, at_round: int) -> None:
+        """Rounds are counted from `at_round` (restored or adopted), utilization from now."""
+        self.round, self.compute_s, self.t_start = at_round, 0.0, time.monotonic()
+
+    def evaluate(self, at_round: int) -> float:
+        self.eval_loss = self.learner.evaluate(self.eval_set)
+        self.log.write("eval", round=at_round, eval_loss=self.eval_loss)
+        return self.eval_loss
+
+    def round_done(self, done: RoundDone) -> None:
+        learner, network, update = self.learner, self.network, done.update
+        self.round = done.round
+        self.compute_s += done.result.compute_s
+        counters = network.counters
+        vv = learner.replica.version_vector
+        self.last = {
+            "round": done.round, "step": learner.step, "loss": done.result.mean_loss, "eval_loss": done.eval_loss,
+            "peers": done.view.num_peers, "tau": update.header.tau, "weight": update.header.weight, "seq": update.seq,
+            "vv_total": vv.total(), "bytes_sent": counters.get("bytes_sent", 0),
+            "bytes_received": counters.get("bytes_received", 0), "merged": counters.get("merged", 0),
+            "rejected": counters.get("rejected", 0), "samples_per_s": done.samples_per_s, "round_s": done.round_s,
+            "utilization": self.compute_s / (time.monotonic() - self.t_start), "compute_s": self.compute_s}
+        network.local = {"state": "training", "round": done.round, "step": learner.step,
+                         "loss": done.result.mean_loss, "eval_loss": self.eval_loss,
+                         "samples_per_s": done.samples_per_s, "tau": update.header.tau}
+        network.request_announce()
+        self.out(round_line(self.last))
+        self.log.write("round", peer_id=learner.peer_id, **self.last)
+
+    def checkpoint(self, at_round: int) -> None:
+        self.checkpoints.save(self.learner, round=at_round, why="periodic")
+
+    def say(self, line: str) -> None:
+        self.out(line)
+
+    # ---- the end ------------------------------------------------------------------------------------------
+
+    def final(self, at_round: int, out_dir: str) -> None:
+        """The final eval, counters and state (written to `out_dir` if given)."""
+        learner, counters = self.learner, self.network.counters
+        theta, vv = learner.replica.snapshot()
+        eval_loss = learner.evaluate(self.eval_set)
+        final = {"peer_id": learner.peer_id, "round": at_round, "step": learner.step,
+                 "eval_loss": eval_loss, "vv_total": vv.total(), "vv_digest": vv.digest().hex()[:16],
+                 "bytes_sent": counters.get("bytes_sent", 0), "bytes_received": counters.get("bytes_received", 0),
+                 "merged": counters.get("merged", 0), "rejected": counters.get("rejected", 0),
+                 "duplicates": counters.get("duplicate", 0), "seq": learner.last_seq,
+                 "equivocations": learner.replica.stats.get("equivocation", 0),
+                 "banned": sorted(learner.replica.banned),
+                 "holes": vv.n_holes, "repairs": list(self.network.repairs),
+                 "utilization": self.last.get("utilization", 0.0)}  # while training (lingering is not idling)
+        if out_dir:
+            theta_path, vv_path = save_state(out_dir, theta, vv,
+                                             {"peer_id": learner.peer_id, "spec_hash": self.spec.spec_hash(),
+                                              "round": at_round, "step": learner.step})
+            final.update(theta_path=str(theta_path), vv_path=str(vv_path))
+            self.out(f"wrote {theta_path} and {vv_path}")
+        self.out(f"final: rounds {at_round}  eval {eval_loss:.3f}  V {vv.total()}  "
+                 f"sent {fmt_bytes(final['bytes_sent'])}  merged {final['merged']}  rejected {final['rejected']}")
+        self.log.write("final", **final)

@@ -1,0 +1,178 @@
+"""The round loop: one function, top to bottom, whoever runs it (ARCHITECTURE.md "The merge rule").
+
+    for each round, until `schedule.rounds` are done, a finish request, or a stop request:
+        begin phase        phi <- snapshot of the replica
+        H inner steps      one at a time; between steps phi takes what the replica merged meanwhile
+        finish phase       pseudo-gradient, outer step, compress, sign, merge into our own replica
+        publish            `exchange.publish(update)`: returns at once, the network spreads it
+        evaluate           every `schedule.eval_every` rounds
+        log                `hooks.round_done`
+        checkpoint         every `schedule.checkpoint_every` rounds
+
+The network is one argument, an `Exchange` (train/exchange.py): the real swarm (peer/exchange.py), the
+in-memory network (sim/memory.py) or a test's list. It never owns the loop, and the loop never waits on it:
+remote updates reach the replica on the exchange's schedule (its Intake, on another thread or at another
+simulated moment) and the loop only reads the replica.
+
+`rounds` is a generator that yields after each step of the story (`PhaseBegun`, `StepDone`, `RoundDone`), so
+that every caller runs this same loop at its own pace: the real peer drives it to the end (`drive`), the tests
+for a few rounds (`run_rounds`), and the simulator (sim/swarm.py) one step at a time on its simulated clock,
+so that remote updates land between the inner steps they would fall between on a real network.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # light at import time (the peer process imports this before torch is needed)
+    from p2p_diloco.train.exchange import Exchange
+    from p2p_diloco.train.inner import InnerResult
+    from p2p_diloco.train.learner import Learner, Phase, SwarmView
+    from p2p_diloco.wire.envelope import OuterUpdate
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long the loop runs and how often it evaluates and checkpoints (plain values, from any config)."""
+
+    rounds: int = 0
+    """Stop once the round counter reaches this (0: until a stop or finish request, or `Hooks.admit` says no)."""
+    eval_every: int = 0
+    """Evaluate the replica every this many rounds (0: only at the start)."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many rounds (0: never)."""
+    finish_phase_within_s: float = 0.0
+    """On a stop request, finish the inner phase if it ends within this many seconds, else drop it."""
+
+
+class Hooks:
+    """What the loop reports to, and asks. Every method does nothing here; a caller overrides what it needs
+    (the peer: peer/report.py; the simulator: `admit`, its token budget)."""
+
+    def admit(self) -> bool:
+        """Before each phase begins: may it? (False ends the loop; the simulator charges its budget here.)"""
+        return True
+
+    def evaluate(self, at_round: int) -> float | None:
+        """Eval loss of the replica, or None for no evaluation."""
+        return None
+
+    def round_done(self, done: RoundDone) -> None:
+        """After each published round (and its evaluation): print it, log it."""
+
+    def checkpoint(self, at_round: int) -> None:
+        """Every `schedule.checkpoint_every` rounds, after `round_done`."""
+
+    def say(self, line: str) -> None:
+        """A line for the person running this (why a phase was dropped or finished early)."""
+
+
+@dataclass
+class PhaseBegun:
+    """A phase has begun (phi is the replica's snapshot); the next ticks are its inner steps."""
+
+    phase: Phase
+
+
+@dataclass
+class StepDone:
+    """One inner step is done (`phase.steps_done` of them so far)."""
+
+    phase: Phase
+
+
+@dataclass
+class RoundDone:
+    """A round is published: its update, the inner phase's result, the swarm it was weighted for."""
+
+    round: int
+    update: OuterUpdate
+    result: InnerResult
+    view: SwarmView
+    round_s: float
+    samples_per_s: float
+    eval_loss: float | None  # evaluated after this round, else None
+
+
+Tick = PhaseBegun | StepDone | RoundDone  # (what `rounds` yields)
+
+
+def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hooks | None = None, *,
+           start_round: int = 0, stop: threading.Event | None = None, finish: threading.Event | None = None,
+           ) -> Generator[Tick, None, str]:
+    """THE round loop. Yields after each phase start, inner step and round; returns why it ended: "rounds"
+    (schedule.rounds reached), "finish" (`finish` was set: end after a whole round), "stop" (`stop` was set;
+    the unfinished phase was dropped) or "admit" (`hooks.admit()` said no).
+
+    `start_round`: rounds already done (restored from a checkpoint, or our journaled updates adopted).
+    """
+    hooks = hooks or Hooks()
+    stop = stop or threading.Event()
+    finish = finish or threading.Event()
+    H = learner.spec.inner.inner_steps
+    round_ = start_round
+    hooks.evaluate(0)  # the starting point (logged as round 0, even after a restore)
+    while not stop.is_set() and (schedule.rounds == 0 or round_ < schedule.rounds):
+        if finish.is_set():
+            return "finish"
+        if not hooks.admit():
+            return "admit"
+        phase = learner.begin_phase()
+        yield PhaseBegun(phase)
+        t0 = time.monotonic()
+        finish_anyway: bool | None = None
+        while phase.steps_done < H:
+            # A stop request is seen within one step: drop the phase, or finish it if it ends soon enough.
+            if stop.is_set() and finish_anyway is None:
+                finish_anyway = _finish_anyway(phase, H, schedule.finish_phase_within_s, hooks.say)
+                if not finish_anyway:
+                    return "stop"
+            # Merge what arrived: remote updates merge into the replica on the exchange's side; before each
+            # step `run_inner` rebases phi onto what merged since the last step (Learner._rebase).
+            learner.run_inner(phase, 1)
+            yield StepDone(phase)
+        result = phase.result()
+        view = exchange.swarm_view()
+        update = learner.finish_phase(phase, result, view)  # pseudo-gradient, outer step, encode, sign, merge
+        exchange.publish(update)  # returns at once: the network spreads it
+        round_ += 1
+        round_s = time.monotonic() - t0
+        evaluated = schedule.eval_every and round_ % schedule.eval_every == 0
+        eval_loss = hooks.evaluate(round_) if evaluated else None
+        done = RoundDone(round=round_, update=update, result=result, view=view, round_s=round_s,
+                         samples_per_s=result.samples / max(round_s, 1e-9), eval_loss=eval_loss)
+        hooks.round_done(done)
+        if schedule.checkpoint_every and round_ % schedule.checkpoint_every == 0:
+            hooks.checkpoint(round_)
+        yield done
+    return "stop" if stop.is_set() else "rounds"
+
+
+def _finish_anyway(phase: Phase, steps: int, within_s: float, say: Callable[[str], None]) -> bool:
+    """On a stop request: finish the phase only if it has begun and the rest takes at most `within_s` (at the
+    pace of its steps so far). Says which."""
+    done = phase.steps_done
+    remaining_s = phase.compute_s / max(done, 1) * (steps - done)
+    if done > 0 and remaining_s <= within_s:
+        say(f"stopping: finishing the inner phase first ({remaining_s:.1f}s left)")
+        return True
+    say(f"stopping: dropped the unfinished inner phase at step {done}/{steps}")
+    return False
+
+
+def drive(ticks: Generator[Tick, None, str]) -> str:
+    """Run a loop to its end; returns why it ended (see `rounds`)."""
+    while True:
+        try:
+            next(ticks)
+        except StopIteration as end:
+            return end.value
+
+
+def run_rounds(learner: Learner, exchange: Exchange, n: int = 1, hooks: Hooks | None = None) -> list[RoundDone]:
+    """Run `n` whole rounds of the loop (tests, benchmarks); their `RoundDone`s."""
+    return [t for t in rounds(learner, exchange, Schedule(rounds=n), hooks) if isinstance(t, RoundDone)]
