@@ -1,7 +1,7 @@
 """The chaos harness's numbers (benchmarks/chaos.py): fault schedules, goodput measured from the peers' JSON
 logs, and the same schedule replayed analytically for data-parallel and synchronous DiLoCo.
 
-Goodput (DESIGN.md section 8): peer-seconds of compute whose updates reached the surviving replicas, over
+Goodput (ARCHITECTURE.md "What we measure"): peer-seconds of compute whose updates reached the surviving replicas, over
 peer-seconds allocated, crashes, restarts and waiting included. Read here as:
 
 - allocated: the time each peer's process is up inside the measured window (from the clock's zero, when every
