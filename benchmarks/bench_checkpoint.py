@@ -22,22 +22,10 @@ import torch
 from p2p_diloco.config import preset
 from p2p_diloco.train.checkpoint import StateManager
 from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import run_rounds
 from p2p_diloco.wire.identity import Identity
-
-
-class Keep:
-    """The Exchange interface with no network: keeps the last update."""
-
-    def __init__(self, samples_per_round: float) -> None:
-        self.view, self.last = SwarmView(num_peers=1, samples_per_round=samples_per_round), None
-
-    def publish(self, update) -> None:
-        self.last = update
-
-    def swarm_view(self) -> SwarmView:
-        return self.view
 
 
 def measure(name: str, repeats: int, inner_steps: int) -> dict:
@@ -53,7 +41,7 @@ def measure(name: str, repeats: int, inner_steps: int) -> dict:
         state = StateManager(folder, run_id=spec.run_id, spec_hash=spec.spec_hash(), peer_id=identity.peer_id)
         state.open()
         state.attach(learner)
-        exchange = Keep(inner_steps * spec.data.batch_size)
+        exchange = CollectingExchange(SwarmView(num_peers=1, samples_per_round=inner_steps * spec.data.batch_size))
         t0 = time.perf_counter()
         run_rounds(learner, exchange)  # AdamW state exists, one update journaled
         round_s = time.perf_counter() - t0
@@ -63,7 +51,7 @@ def measure(name: str, repeats: int, inner_steps: int) -> dict:
             path = state.save(learner, round=1)
             saves.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            state.journal.append(exchange.last)
+            state.journal.append(exchange.sent[-1])
             appends.append(time.perf_counter() - t0)
         nbytes = sum(f.stat().st_size for f in path.iterdir())
         state.close()
@@ -79,7 +67,7 @@ def measure(name: str, repeats: int, inner_steps: int) -> dict:
             again.close()
         return {"preset": name, "numel": learner.numel, "bytes": nbytes, "save_s": statistics.median(saves),
                 "restore_s": statistics.median(restores), "journal_s": statistics.median(appends),
-                "update_bytes": exchange.last.nbytes, "round_s": round_s}
+                "update_bytes": exchange.sent[-1].nbytes, "round_s": round_s}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

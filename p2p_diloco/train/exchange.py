@@ -3,8 +3,9 @@
 The learner hands finished updates to `publish` (which must not block: an inner phase never waits on the
 network) and reads the swarm's size and throughput from `swarm_view` to weight its next update. Remote
 updates arrive on the exchange's own schedule and go through `Intake` into the replica. The round loop
-(train/loop.py) takes one as its only view of the network. Two implementations: `MemoryExchange` (sim/memory.py:
-simulator, tests) and `SwarmExchange` (peer/exchange.py: the hivemind swarm).
+(train/loop.py) takes one as its only view of the network. Implementations: `SwarmExchange` (peer/exchange.py:
+the hivemind swarm), `MemoryExchange` (sim/memory.py: the simulator's network) and `CollectingExchange` (here:
+a unit alone, for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -21,3 +22,17 @@ class Exchange(Protocol):
 
     def swarm_view(self) -> SwarmView:
         """Live peers and the samples one round of their updates carries."""
+
+
+class CollectingExchange:
+    """A unit alone: keeps what it publishes (`sent`) and sees a fixed swarm (tests, benchmarks)."""
+
+    def __init__(self, view: SwarmView) -> None:
+        self.view = view
+        self.sent: list[OuterUpdate] = []
+
+    def publish(self, update: OuterUpdate) -> None:
+        self.sent.append(update)
+
+    def swarm_view(self) -> SwarmView:
+        return self.view

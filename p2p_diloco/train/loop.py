@@ -1,4 +1,4 @@
-"""The round loop: one function, top to bottom, whoever runs it (ARCHITECTURE.md "The merge rule").
+"""The round loop: one function, top to bottom, whoever runs it (ARCHITECTURE.md, "The round loop").
 
     for each round, until `schedule.rounds` are done, a finish request, or a stop request:
         begin phase        phi <- snapshot of the replica

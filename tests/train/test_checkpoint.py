@@ -26,6 +26,7 @@ from p2p_diloco.sync.replica import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.checkpoint import CheckpointFolderError, CheckpointStore, StateManager
 from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import run_rounds
 from p2p_diloco.train.outer import OuterState
@@ -39,17 +40,9 @@ SPEC = dataclasses.replace(BASE, inner=dataclasses.replace(BASE.inner, inner_ste
 VIEW = SwarmView(num_peers=2, samples_per_round=2 * SPEC.inner.inner_steps * SPEC.data.batch_size)
 
 
-class Collect:
-    """The Exchange interface (train/exchange.py) that keeps what is published: one peer, no network."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def publish(self, update) -> None:
-        self.sent.append(update)
-
-    def swarm_view(self) -> SwarmView:
-        return VIEW
+def Collect() -> CollectingExchange:
+    """An exchange that keeps what is published: one peer, no network."""
+    return CollectingExchange(VIEW)
 
 
 def one_round(lrn: Learner, exchange) -> tuple:

@@ -14,6 +14,7 @@ from p2p_diloco.config import preset
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import Hooks, PhaseBegun, RoundDone, Schedule, StepDone, drive, rounds, run_rounds
 from p2p_diloco.wire.identity import Identity
@@ -26,17 +27,9 @@ H = SPEC.inner.inner_steps
 VIEW = SwarmView(num_peers=2, samples_per_round=2 * H * SPEC.data.batch_size)
 
 
-class Collect:
-    """An Exchange that keeps what is published: one peer, no network."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def publish(self, update) -> None:
-        self.sent.append(update)
-
-    def swarm_view(self) -> SwarmView:
-        return VIEW
+def Collect() -> CollectingExchange:
+    """An exchange that keeps what is published: one peer, no network."""
+    return CollectingExchange(VIEW)
 
 
 class Record(Hooks):
