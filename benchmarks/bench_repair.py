@@ -75,8 +75,7 @@ async def case(nodes: list[tuple[SwarmNode, Identity]], numel: int, kind: str, b
     s_up, h_up = updates(Identity.generate(), numel, 3, 1), updates(Identity.generate(), numel, 2, 2)
     units = []
     for i, (node, identity) in enumerate(nodes):
-        replica = Replica(base.clone(), outer_lr=SPEC.outer.outer_lr, max_weight=SPEC.outer.max_weight,
-                          codec=CODEC)
+        replica = Replica.from_spec(SPEC, base.clone(), codec=CODEC)
         intake = Intake(SPEC, numel, replica)
         store = UpdateStore(GOSSIP.retained_bytes)
         for u in (s_up if i == 0 else [s_up[0], s_up[2]]) + h_up:

@@ -58,6 +58,7 @@ class Presence:
         self.guard: Any = None
         self.proof: str | None = None
         self.learner: Any = None
+        self.intake: Any = None  # the network's (peer/network.py), for the rejection counts
         self.on_refreshed: Callable[[], None] | None = None  # after each read of the records (the relay meets)
         # Shared with the compute thread: each is replaced whole, never mutated in place.
         self.static_record = dict(static_record or {})
@@ -87,7 +88,7 @@ class Presence:
         if self.proof:
             record[MEMBER_PROOF_FIELD] = self.proof
         if self.guard is not None:
-            record.update(rejected_by=rejection_totals(self.learner, self.guard),
+            record.update(rejected_by=rejection_totals(self.intake, self.guard),
                           offenders=self.guard.rejections.offenders(MAX_RECORD_OFFENDERS, max_reasons=16),
                           banned=len(self.learner.replica.banned), dht_rejected=dict(self.dht_rejected))
         if len(vv) <= MAX_RECORD_VV_ENTRIES:

@@ -10,8 +10,8 @@ The compute thread talks to it in two ways only, neither of which waits on the n
 - it reads `peers` and `counters`, plain dicts the loop replaces whole (never mutates) every tick, and
   writes `local` (its round summary) the same way. Replacing a reference is atomic under the GIL.
 
-Remote updates merge into the replica here, through `Intake`; the replica's lock makes that safe while the
-compute thread snapshots it.
+Remote updates merge into the replica here, through the network's own `Intake`; the replica's lock makes that
+safe while the compute thread snapshots it.
 
 Hostile input (issue 5): one `PeerGuard` (net/admission/guard.py) stands in front of every service: it holds the run's
 allow list (RunSpec `defence.allowed_senders`) and this peer's run-secret key, the per-remote rate limits, and
@@ -42,6 +42,7 @@ from p2p_diloco.net.transport.netloop import NetLoop, Stopped, exit_with_parent
 from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
 from p2p_diloco.peer.announce import Presence
 from p2p_diloco.peer.network_counters import collect_counters
+from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.learner import Learner
@@ -103,6 +104,7 @@ class PeerNetwork:
         self.sync_donor: str | None = None
         self.node: SwarmNode | None = None
         self.learner: Learner | None = None
+        self.intake: Intake | None = None  # built on the learner's replica by `_use`
         self.guard: PeerGuard | None = None
         # The services, started by `serve` in this order and stopped by `leave`.
         self.relay: Any = None
@@ -210,8 +212,8 @@ class PeerNetwork:
         from p2p_diloco.net.statesync.client import StateSyncError
 
         # Say we are here at once: peers lingering after their last round keep serving while one is "syncing".
-        self.learner, self.local = learner, {"state": "syncing"}
-        self.presence.learner = learner
+        self._use(learner)
+        self.local = {"state": "syncing"}
         await self.presence.announce()
         await self.check_admission()
         for attempt in range(1, attempts + 1):
@@ -258,8 +260,8 @@ class PeerNetwork:
         tasks; announce at once."""
         from p2p_diloco.net.admission.guard import serve_hello
 
-        self.learner, self.local = learner, {"state": "training"}
-        self.presence.learner = learner
+        self._use(learner)
+        self.local = {"state": "training"}
         await self.check_admission()  # a peer restored from a checkpoint did not sync: check here
         await self._start_services(learner)
         await serve_hello(self.node.p2p, self.run_id, self.guard, timeout_s=self.gossip_config.rpc_timeout_s)
@@ -269,6 +271,14 @@ class PeerNetwork:
                        asyncio.create_task(self.presence.refresh_loop(), name="refresh-peers"),
                        asyncio.create_task(self.presence.meet_again_loop(), name="meet-again")]
 
+    def _use(self, learner: Learner) -> None:
+        """The learner whose replica this network feeds and serves. The intake (checks, counts, evidence, the
+        take-back of a ban) is the network's: built once, here, on the learner's replica."""
+        if self.intake is None:
+            self.intake = Intake(self.spec, learner.numel, learner.replica)
+        self.learner = self.presence.learner = learner
+        self.presence.intake = self.intake
+
     async def _start_services(self, learner: Learner) -> None:
         from p2p_diloco.net.gossip.evidence_relay import EvidenceRelay
         from p2p_diloco.net.gossip.repair import Repair
@@ -276,7 +286,7 @@ class PeerNetwork:
         from p2p_diloco.net.statesync.server import SnapshotServer
 
         cfg = self.gossip_config
-        self.relay = EvidenceRelay(self.node, self.run_id, learner.intake, self._other_peer_ids, self.guard,
+        self.relay = EvidenceRelay(self.node, self.run_id, self.intake, self._other_peer_ids, self.guard,
                                    fanout=cfg.fanout, timeout_s=cfg.rpc_timeout_s)
         self.presence.on_refreshed = self.relay.meet  # a newcomer learns of the bans made before it came
         await self.relay.start()
@@ -287,7 +297,7 @@ class PeerNetwork:
                              guard=self.guard, grace_s=REPAIR_GRACE_ANTI_ENTROPIES * cfg.anti_entropy_s,
                              on_repaired=self._repaired)
         self._services.append(self.repair)
-        self.gossip = Gossip(self.node, self.run_id, learner.intake, store, cfg, peers=self._other_peer_ids,
+        self.gossip = Gossip(self.node, self.run_id, self.intake, store, cfg, peers=self._other_peer_ids,
                              guard=self.guard, on_evidence=self.relay.publish, on_vector=self.repair.observe)
         await self.gossip.start()
         self._services.append(self.gossip)
@@ -307,7 +317,7 @@ class PeerNetwork:
         return [pid for pid in self.peers if pid != me]
 
     def _tick(self) -> None:
-        self.counters = collect_counters(self.learner, (self.gossip, self.relay, self.repair), self.server,
+        self.counters = collect_counters(self.intake, (self.gossip, self.relay, self.repair), self.server,
                                          self.guard)
 
     # ---- called from the compute thread (through the loop) ----------------------------------------------

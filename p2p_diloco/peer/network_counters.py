@@ -1,5 +1,5 @@
 """The counters a peer shows (its round line, its final summary, its DHT record's `rejected_by`), read from
-its learner's intake and its network services' `stats`."""
+its intake and its network services' `stats`."""
 
 from __future__ import annotations
 
@@ -10,18 +10,19 @@ from typing import Any
 _NOT_REJECTIONS = ("merged", "buffered")
 
 
-def rejection_totals(learner: Any, guard: Any) -> dict[str, int]:
+def rejection_totals(intake: Any, guard: Any) -> dict[str, int]:
     """Everything refused, by reason: the intake's update outcomes and the guard's network refusals."""
-    totals = Counter({k: n for k, n in dict(learner.intake.counts).items() if k not in _NOT_REJECTIONS})
+    counts = dict(intake.counts) if intake is not None else {}
+    totals = Counter({k: n for k, n in counts.items() if k not in _NOT_REJECTIONS})
     if guard is not None:
         totals.update(guard.rejections.totals)
     return dict(totals)
 
 
-def collect_counters(learner: Any, services: Iterable[Any], server: Any, guard: Any) -> dict[str, int]:
+def collect_counters(intake: Any, services: Iterable[Any], server: Any, guard: Any) -> dict[str, int]:
     """Intake outcomes, every service's `stats` (gossip, relay, repair), the snapshot bytes the `server` sent
     (counted in `bytes_sent` too: everything we uploaded) and the guard's refusals."""
-    counts = dict(learner.intake.counts)
+    counts = dict(intake.counts) if intake is not None else {}
     out = {"merged": counts.get("merged", 0), "duplicate": counts.get("duplicate", 0),
            "rejected": sum(n for k, n in counts.items() if k not in ("merged", "buffered", "duplicate"))}
     for service in services:

@@ -106,7 +106,7 @@ class HostileSwarm(AsyncSwarm):
 
     def _add_peer(self, speed: float, state=None) -> SimPeer:  # noqa: ANN001
         peer = super()._add_peer(speed, state)
-        intake = peer.learner.intake
+        intake = peer.intake
         intake.clock = lambda: self.queue.now  # gap timeouts in simulated seconds
         adversary = self.adversaries.get(peer.index)
         if adversary is not None:
@@ -152,7 +152,7 @@ class HostileSwarm(AsyncSwarm):
 
     def _anti_entropy(self) -> None:
         for peer in self._alive():
-            peer.learner.intake.expire_gaps()  # the timer a quiet swarm needs (nothing arrives to trigger it)
+            peer.intake.expire_gaps()  # the timer a quiet swarm needs (nothing arrives to trigger it)
         super()._anti_entropy()
         self._repair()
 
@@ -194,7 +194,7 @@ class HostileSwarm(AsyncSwarm):
         thetas = [p.learner.replica.snapshot()[0] for p in honest]
         rejected: dict[str, int] = {}
         for p in honest:
-            for reason, n in p.learner.intake.counts.items():
+            for reason, n in p.intake.counts.items():
                 rejected[reason] = rejected.get(reason, 0) + n
         return {"eval_loss": float(sum(losses) / len(losses)) if losses else math.nan,
                 "divergence": divergence(thetas) if len(thetas) > 1 else 0.0,

@@ -12,6 +12,7 @@ import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
+from p2p_diloco.sync.intake import Intake
 from p2p_diloco.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from p2p_diloco.train.device import resolve_device
 from p2p_diloco.train.inner import lr_at, make_inner_optimizer
@@ -31,6 +32,7 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None
     speeds = sim.speed_factors()
     device = resolve_device(sim.device)
     learners = [Learner(spec, Identity.generate(), corpus, shard=i, num_shards=n, device=device) for i in range(n)]
+    intakes = [Intake(spec, lr.numel, lr.replica) for lr in learners]  # each peer's network side
     eval_set = _eval_set(spec, sim, corpus)
     bytes_per_s = sim.bandwidth_mbps * 1e6 / 8
     bytes_sent = [0] * n
@@ -48,10 +50,10 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None
             encoded.append(encode_update(learner.finish_phase(phase, result, view)))
             compute_s[i] += H * sim.step_time_s / speeds[i]
         # The barrier: every peer receives every other update before the next round starts.
-        for i, learner in enumerate(learners):
+        for i, intake in enumerate(intakes):
             for j, data in enumerate(encoded):
                 if i != j:
-                    learner.intake.receive(data)
+                    intake.receive(data)
             bytes_sent[i] += (n - 1) * len(encoded[i])
         slowest = max(H * sim.step_time_s / s for s in speeds)
         now += slowest + sim.latency_s + (n - 1) * len(encoded[0]) / bytes_per_s
@@ -64,7 +66,7 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None
     losses = [lr.evaluate(eval_set) for lr in learners]
     peers = [PeerReport(index=i, peer_id=lr.peer_id, alive=True, steps=lr.step, bytes_sent=bytes_sent[i],
                         tokens=lr.step * tokens_per_step, utilization=compute_s[i] / now if now else 0.0,
-                        taus=[h["tau"] for h in lr.history], eval_loss=losses[i], rejected=dict(lr.intake.counts))
+                        taus=[h["tau"] for h in lr.history], eval_loss=losses[i], rejected=dict(intakes[i].counts))
              for i, lr in enumerate(learners)]
     return SimResult(method="sync", eval_loss=sum(losses) / n, sim_time_s=now,
                      tokens=rounds * n * H * tokens_per_step, divergence=divergence(thetas), curve=curve,

@@ -24,6 +24,7 @@ from p2p_diloco.config import ConfigError, RunSpec, SimConfig
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
+from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.train.data import Corpus, eval_batches
 from p2p_diloco.train.device import resolve_device
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 class SimPeer:
     index: int
     learner: Learner
+    intake: Intake  # its network side's: checks, counts, evidence
     speed: float
     store: UpdateStore
     exchange: MemoryExchange
@@ -109,7 +111,8 @@ class AsyncSwarm:
         index = len(self.peers)
         learner = Learner(self.spec, Identity.generate(), self.corpus, shard=self._shard_of(index),
                           num_shards=self.num_shards, replica_state=state, device=self.device)
-        peer = SimPeer(index=index, learner=learner, speed=speed, store=UpdateStore(max_bytes=256 << 20),
+        peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
+                       speed=speed, store=UpdateStore(max_bytes=256 << 20),
                        exchange=MemoryExchange(self.net, learner.peer_id, self._view), joined_at=self.queue.now)
         peer.ticks = rounds(learner, peer.exchange, Schedule(), TokenBudget(self))
         self.peers.append(peer)
@@ -126,7 +129,7 @@ class AsyncSwarm:
     def _receive(self, peer: SimPeer, data: bytes) -> None:
         if peer.busy:
             self._advance(peer)
-        outcome, update = peer.learner.intake.receive(data)
+        outcome, update = peer.intake.receive(data)
         if update is not None and outcome in ("merged", "buffered"):
             peer.store.add(update)
             peer.held_since[(update.sender, update.seq)] = self.queue.now
@@ -224,7 +227,7 @@ class AsyncSwarm:
         sync_s = peer.learner.numel * 4 / self.net.bytes_per_s + self.sim.latency_s
         self.net.bytes_sent[donor.learner.peer_id] += peer.learner.numel * 4
         for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):
-            peer.learner.intake.receive(encode_update(update))
+            peer.intake.receive(encode_update(update))
         logger.info("sim: peer %d joined at t=%.0fs from donor %d", peer.index, self.queue.now, donor.index)
         self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
 
@@ -275,7 +278,7 @@ class AsyncSwarm:
                 tokens=p.learner.step * self.spec.data.batch_size * self.spec.model.block_size,
                 utilization=p.compute_s / lifetime if lifetime > 0 else 0.0, taus=p.taus,
                 eval_loss=final.get(p.index),
-                rejected=dict(p.learner.intake.counts)))
+                rejected=dict(p.intake.counts)))
         return SimResult(method="async", eval_loss=float(sum(losses) / len(losses)), sim_time_s=self.queue.now,
                          tokens=tokens, divergence=divergence(thetas), curve=self.curve, peers=reports,
                          messages_lost=self.net.messages_lost, numel=alive[0].learner.numel,

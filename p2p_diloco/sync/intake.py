@@ -27,8 +27,8 @@ Every outcome is counted by reason in `counts` (what `status` shows: everything 
 duplicate is a rejection) and logged once per (sender, reason) per interval. Events that are not outcomes of
 one message (gaps skipped, evidence kept or accepted) are counted in `events`.
 
-Binding the RunSpec: the constructor gives the replica the spec's merge policy and gap rules
-(`Replica.bind_rules`) and registers a ban listener that keeps the proof of an equivocation
+The replica comes with the spec's merge policy and gap rules (`Replica.from_spec`); the intake gives it
+its clock (the simulator's, in the simulator) and registers a ban listener that keeps the proof of an equivocation
 (`evidence`, raw envelopes re-verifiable with `sync.evidence.check_evidence`) and purges the banned sender
 from the attached `UpdateStore` (`attach_store`).
 """
@@ -44,7 +44,6 @@ from collections.abc import Callable
 from p2p_diloco.config import RunSpec
 from p2p_diloco.sync.evidence import evidence_pair, verified_pair
 from p2p_diloco.sync.replica import Replica
-from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.types import Conflict, MergeOutcome, UpdateLike
 from p2p_diloco.wire.codecs import Codec, get_codec
@@ -74,9 +73,7 @@ class Intake:
         self.replica = replica
         self.codec: Codec = replica.codec  # the peer's one codec, the spec's (`Replica.from_spec`)
         self.max_bytes = self.codec.payload_bytes(numel) + HEADER_ALLOWANCE_BYTES  # = max_update_bytes(spec, numel)
-        self.policy = MergePolicy.from_spec(spec)
-        replica.bind_rules(self.policy, gap_timeout_s=spec.defence.gap_timeout_s,
-                           max_hole_span=spec.defence.max_hole_span, clock=lambda: self.clock())
+        replica.clock = lambda: self.clock()  # dates gaps: through us, so the simulator can set its own clock
         replica.add_ban_listener(self._on_ban)
         self.allowed = frozenset(spec.defence.allowed_senders)
         self.clock = clock  # seconds; the simulator sets its simulated clock (the replica reads it through us)

@@ -57,8 +57,7 @@ axpy, so two threads decoding the same update still merge it once. Each update i
 the sender passes the tensor it encoded (`offer(decoded=...)`), and a buffered update keeps the delta it was
 screened with (sync/pending.py, within the buffer's byte bound).
 
-The replica knows nothing of training: it is built from the run's spec (`Replica.from_spec`), with the
-peer's one codec.
+The replica knows nothing of training: it is built from the run's spec (`Replica.from_spec`).
 """
 
 from __future__ import annotations
@@ -86,6 +85,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class Replica:
     """theta plus its version vector; `offer` merges updates under the rules above."""
 
@@ -98,8 +98,7 @@ class Replica:
             raise ValueError(f"outer_lr and max_weight must be finite and >= 0, got {outer_lr}, {max_weight}")
         if max_ids_per_sender < 1:
             raise ValueError(f"need max_ids_per_sender >= 1, got {max_ids_per_sender}")
-        self.outer_lr = float(outer_lr)
-        self.max_weight = float(max_weight)
+        self.outer_lr, self.max_weight = float(outer_lr), float(max_weight)
         self.max_ids_per_sender = max_ids_per_sender
         self.policy = MergePolicy.passthrough()
         self.gap_timeout_s, self.max_hole_span = math.inf, 16
@@ -118,17 +117,18 @@ class Replica:
     @classmethod
     def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None,
                   version_vector: VersionVector | None = None) -> Replica:
-        """The replica of `spec`'s run: its merge constants and its codec (pass the peer's `codec` to share it;
-        built from the spec otherwise). `Intake` binds the rest of the spec's rules (`bind_rules`)."""
-        if codec is None:
-            codec = get_codec(spec.outer.codec, spec.outer.codec_block)
-        return cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec,
-                   version_vector=version_vector)
+        """The replica of `spec`'s run: merge constants, codec (pass the peer's to share it) and every rule."""
+        codec = codec or get_codec(spec.outer.codec, spec.outer.codec_block)
+        replica = cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec,
+                      version_vector=version_vector)
+        replica.bind_rules(MergePolicy.from_spec(spec), gap_timeout_s=spec.defence.gap_timeout_s,
+                           max_hole_span=spec.defence.max_hole_span)
+        return replica
 
     def bind_rules(self, policy: MergePolicy, *, gap_timeout_s: float, max_hole_span: int,
                    clock: Callable[[], float] | None = None) -> None:
-        """Apply the RunSpec's rules (Intake does this): screening and shaping, when gaps are skipped, and the
-        clock (seconds) that dates them."""
+        """Apply the RunSpec's rules (`from_spec` and `Intake` do): screening and shaping, when gaps are skipped,
+        and the clock (seconds) that dates them."""
         with self.lock:
             self.policy, self.gap_timeout_s, self.max_hole_span = policy, float(gap_timeout_s), int(max_hole_span)
             if clock is not None:

@@ -53,6 +53,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from p2p_diloco.config import ConfigError
+from p2p_diloco.sync.intake import max_update_bytes
 from p2p_diloco.train.journal import TMP_PREFIX, UpdateJournal, fsync_dir, write_durable
 from p2p_diloco.wire.envelope import OuterUpdate
 
@@ -255,7 +256,7 @@ class StateManager:
 
     def __init__(self, folder: str | Path, *, run_id: str, spec_hash: str, peer_id: str, keep: int = 2,
                  max_update_bytes: int = 0) -> None:
-        """`max_update_bytes` bounds a journal entry read back (`attach` sets it from the learner's intake)."""
+        """`max_update_bytes` bounds a journal entry read back (`attach` sets it from the run's spec)."""
         self.folder = Path(folder).expanduser()
         self.run_id, self.spec_hash, self.peer_id = run_id, spec_hash, peer_id
         self.store = CheckpointStore(self.folder, keep)
@@ -312,7 +313,7 @@ class StateManager:
 
     def attach(self, learner: Any) -> None:
         """Journal every update the learner signs, before it is merged or published."""
-        self.journal.max_update_bytes = learner.intake.max_bytes
+        self.journal.max_update_bytes = max_update_bytes(learner.spec, learner.numel)
         learner.persist_update = self.journal.append
 
     def restore(self, learner: Any) -> dict[str, Any] | None:

@@ -10,8 +10,8 @@
 
 The learner knows nothing about networks or clocks: the round loop (train/loop.py), paced by its caller (the
 simulator's clock, or the peer's compute thread), decides when a phase begins and ends and where the update
-goes. Remote updates reach the replica through `Intake` on another thread; the replica's lock makes the merge
-and the snapshot atomic.
+goes. Remote updates reach the replica through the network's `Intake` (sync/intake.py) on another thread;
+the replica's lock makes the merge and the snapshot atomic.
 
 Devices: phi, its AdamW state and the batches live on `device` (a GPU if the peer has one); theta, the version
 vector, the outer state and the codecs stay on the CPU in float32. That is the network-facing state: merged by
@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from p2p_diloco.config import RunSpec
-from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import MergeOutcome, Replica
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data import Corpus, ShardSampler, evaluate
@@ -104,7 +103,7 @@ class Learner:
         self.replica = Replica.from_spec(spec, theta, codec=self.codec)
         if replica_state is not None:
             self.replica.load(*replica_state)
-        self.intake = Intake(spec, self.numel, self.replica)
+        self.spec_hash = spec.spec_hash()
         self.optimizer = make_inner_optimizer(self.model, spec.inner)  # after the move: AdamW state on the device
         self.outer_state = OuterState.zeros(self.numel)
         self.sampler = ShardSampler(corpus.train, shard=shard, num_shards=num_shards,
@@ -159,7 +158,7 @@ class Learner:
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
         own_merged = self.replica.version_vector.get(self.peer_id)
         update = make_update(
-            run_id=self.spec.run_id, spec_hash=self.intake.spec_hash, sender=self.peer_id,
+            run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id,
             seq=max(self.last_seq, own_merged) + 1, tau=tau, samples=result.samples,
             weight=weight, codec=self.codec.name, numel=self.numel, payload=payload, identity=self.identity)
         # Durable before anyone can see it. A crash before this line loses an update nobody saw, so its seq is

@@ -62,8 +62,7 @@ class Peer:
 
 
 def _replica() -> Replica:
-    return Replica(torch.linspace(-1.0, 1.0, NUMEL), outer_lr=SPEC.outer.outer_lr, max_weight=SPEC.outer.max_weight,
-                   codec=CODEC)
+    return Replica.from_spec(SPEC, torch.linspace(-1.0, 1.0, NUMEL), codec=CODEC)
 
 
 def _updates(identity: Identity, count: int, seed: int) -> list[OuterUpdate]:

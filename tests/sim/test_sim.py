@@ -77,6 +77,7 @@ def test_learner_round_talks_to_an_exchange(corpus):
 
     from p2p_diloco.sim.events import EventQueue
     from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
+    from p2p_diloco.sync.intake import Intake
     from p2p_diloco.train.learner import Learner, SwarmView
     from p2p_diloco.train.loop import run_rounds
     from p2p_diloco.wire.identity import Identity
@@ -84,7 +85,8 @@ def test_learner_round_talks_to_an_exchange(corpus):
     queue = EventQueue()
     net = MemoryNetwork(queue, latency_s=0.1, bandwidth_mbps=100, loss=0.0, rng=random.Random(0))
     a, b = (Learner(SPEC, Identity.generate(), corpus, shard=i, num_shards=2) for i in range(2))
-    net.attach(b.peer_id, lambda data, src: b.intake.receive(data))
+    intake = Intake(SPEC, b.numel, b.replica)  # b's network side
+    net.attach(b.peer_id, lambda data, src: intake.receive(data))
     view = SwarmView(num_peers=2, samples_per_round=2 * SPEC.inner.inner_steps * SPEC.data.batch_size)
     (done,) = run_rounds(a, MemoryExchange(net, a.peer_id, lambda: view))
     update, result = done.update, done.result

@@ -36,9 +36,7 @@ def update(identity: Identity, seq: int, seed: int = 0, run_id: str | None = Non
 
 
 def intake(store: UpdateStore | None = None) -> Intake:
-    replica = Replica(torch.zeros(NUMEL), outer_lr=0.7, max_weight=1.0,
-                      codec=CODEC)
-    result = Intake(SPEC, NUMEL, replica)
+    result = Intake(SPEC, NUMEL, Replica.from_spec(SPEC, torch.zeros(NUMEL), codec=CODEC))
     if store is not None:
         result.attach_store(store)
     return result

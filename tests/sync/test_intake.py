@@ -47,9 +47,7 @@ def envelope(u: OuterUpdate, *, v: int = 1, signature: bytes | None = None, payl
 
 
 def make_intake(spec: RunSpec = SPEC, **kw: object) -> Intake:
-    replica = Replica(torch.zeros(NUMEL), outer_lr=0.7, max_weight=1.0,
-                      codec=CODEC)
-    return Intake(spec, NUMEL, replica, **kw)
+    return Intake(spec, NUMEL, Replica.from_spec(spec, torch.zeros(NUMEL), codec=CODEC), **kw)
 
 
 def nan_scale(u_payload: bytes) -> bytes:
@@ -197,7 +195,7 @@ def test_a_scaled_up_poisoner_is_banned_by_the_default_norm_bound(corpus) -> Non
     swarm = run_swarm(corpus, Adversary(3, Hostility.SCALE, factor=100.0))
     poisoner = swarm.peers[3].learner.peer_id
     for p in swarm.peers[:3]:
-        assert poisoner in p.learner.replica.banned and p.learner.intake.counts["norm_bound"] >= 1
+        assert poisoner in p.learner.replica.banned and p.intake.counts["norm_bound"] >= 1
         assert p.learner.replica.version_vector.get(poisoner) == 0  # not one of its updates merged
         assert p.store.senders() and poisoner not in p.store.senders()  # nor kept to serve
     assert swarm.summary["finite"] and swarm.summary["divergence"] < 1e-6

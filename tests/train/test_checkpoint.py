@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import p2p_diloco.train.checkpoint as checkpoint_module
 from p2p_diloco.config import preset
+from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.checkpoint import CheckpointFolderError, CheckpointStore, StateManager
@@ -296,12 +297,13 @@ def test_restart_takes_back_every_published_update_and_goes_on_at_the_next_seq(
     assert not b.outer_state.error.any()
     # publishing the journal again sends the very bytes: a receiver sees duplicates, never equivocation
     receiver = learner(Identity.generate(), corpus)
+    intake = Intake(SPEC, receiver.numel, receiver.replica)  # the receiver's network side
     for update in exchange.sent:
-        assert receiver.intake.receive(encode_update(update))[0] == MergeOutcome.MERGED.value
+        assert intake.receive(encode_update(update))[0] == MergeOutcome.MERGED.value
     for update in state.journaled():
-        assert receiver.intake.receive(encode_update(update))[0] == MergeOutcome.DUPLICATE.value
+        assert intake.receive(encode_update(update))[0] == MergeOutcome.DUPLICATE.value
     update, _ = one_round(b, Collect())
-    assert update.seq == 4 and receiver.intake.receive(encode_update(update))[0] == MergeOutcome.MERGED.value
+    assert update.seq == 4 and intake.receive(encode_update(update))[0] == MergeOutcome.MERGED.value
     assert not receiver.replica.banned and receiver.replica.stats["equivocation"] == 0
     assert torch.allclose(receiver.replica.snapshot()[0], b.replica.snapshot()[0], rtol=0, atol=1e-6)
 

@@ -8,6 +8,7 @@ import torch
 from p2p_diloco.config import ConfigError, JoinConfig, SimConfig, TrainingConfig, preset
 from p2p_diloco.peer.process import Peer
 from p2p_diloco.sim.runner import simulate
+from p2p_diloco.sync.intake import Intake
 from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.device import resolve_device
 from p2p_diloco.train.learner import Learner, SwarmView
@@ -74,7 +75,7 @@ def test_cpu_round_is_merged_by_another_learner(corpus) -> None:
     theta, vv = sender.replica.snapshot()
     assert theta.device.type == "cpu" and theta.dtype == torch.float32 and vv.get(sender.peer_id) == 1
     receiver = Learner(SPEC, Identity.generate(), corpus, shard=1, num_shards=2, device="cpu")
-    outcome, received = receiver.intake.receive(encode_update(update))
+    outcome, received = Intake(SPEC, receiver.numel, receiver.replica).receive(encode_update(update))
     assert outcome == "merged" and received is not None and received.update_id == update.update_id
     # Replicas agree: the receiver merged exactly what the sender merged into its own replica.
     assert receiver.replica.version_vector == sender.replica.version_vector
@@ -94,7 +95,7 @@ def test_cuda_round_matches_the_cpu_round(corpus) -> None:
     assert float((gpu_values - cpu_values).norm() / cpu_values.norm()) < 1e-4
     # A CPU peer merges the GPU peer's update like any other.
     receiver = Learner(SPEC, Identity.generate(), corpus, shard=1, num_shards=2, device="cpu")
-    assert receiver.intake.receive(encode_update(gpu_update))[0] == "merged"
+    assert Intake(SPEC, receiver.numel, receiver.replica).receive(encode_update(gpu_update))[0] == "merged"
     assert torch.equal(receiver.replica.snapshot()[0], gpu_sender.replica.snapshot()[0])
     assert abs(gpu_sender.evaluate([gpu_sender.sampler.batch(0)])
                - cpu_sender.evaluate([cpu_sender.sampler.batch(0)])) < 1e-3

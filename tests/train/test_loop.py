@@ -13,6 +13,7 @@ import torch
 from p2p_diloco.config import preset
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
+from p2p_diloco.sync.intake import Intake
 from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
@@ -66,8 +67,8 @@ def test_n_rounds_against_the_memory_exchange_publish_seqs_in_order_and_replicas
     queue = EventQueue()
     net = MemoryNetwork(queue, latency_s=0.1, bandwidth_mbps=100, loss=0.0, rng=random.Random(0))
     a, b = learner(corpus, 0), learner(corpus, 1)
-    net.attach(a.peer_id, lambda data, src: a.intake.receive(data))
-    net.attach(b.peer_id, lambda data, src: b.intake.receive(data))
+    for lrn in (a, b):  # each learner's network side: an intake on its replica
+        net.attach(lrn.peer_id, lambda data, src, i=Intake(SPEC, lrn.numel, lrn.replica): i.receive(data))
     done = run_rounds(a, MemoryExchange(net, a.peer_id, lambda: VIEW), n=3)
     assert [d.round for d in done] == [1, 2, 3] and [d.update.seq for d in done] == [1, 2, 3]
     assert all(d.result.steps == H for d in done) and a.step == 3 * H
