@@ -33,7 +33,7 @@ _INTERESTING = (0xC0, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6, 0xCA, 0xCB, 0xCC, 0xCD, 0xCE
 
 
 def mutate(rng: random.Random, data: bytes, corpus: list[bytes]) -> bytes:
-    """One to four random edits of `data`; also used by tests/test_fuzz.py with hypothesis's Random."""
+    """One to four random edits of `data`; also used by tests/fuzzing/test_fuzz.py with hypothesis's Random."""
     out = bytearray(data)
     for _ in range(rng.randint(1, 4)):
         op = rng.randrange(8)

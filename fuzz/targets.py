@@ -3,7 +3,7 @@
 Each target takes arbitrary bytes and returns a short outcome label ("accepted", or the rejection reason), for
 the run statistics. It raises AssertionError when the contract is broken (an invalid message accepted, a valid
 one refused, a wrong value decoded); any other exception escaping a target is a crash of the parser itself.
-Shared by the coverage-guided harness (fuzz/harness.py, long runs) and tests/test_fuzz.py (hypothesis, CI).
+Shared by the coverage-guided harness (fuzz/harness.py, long runs) and tests/fuzzing/test_fuzz.py (hypothesis, CI).
 
 Contracts checked:
   envelope         decode_update raises only WireError(reason in REJECT_REASONS); anything it accepts equals, field

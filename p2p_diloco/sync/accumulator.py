@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from p2p_diloco.sync.screening import check_theta, peak
+from p2p_diloco.sync.robust import peak
+from p2p_diloco.sync.screening import check_theta
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 

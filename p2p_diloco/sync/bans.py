@@ -32,6 +32,10 @@ class Bans:
         self.conflicts: OrderedDict[str, Conflict] = OrderedDict()
         self._listeners: list[Callable[[str], None]] = []
         self._to_deliver: deque[str] = deque()  # banned under the lock, listeners not yet called
+        # One thread delivers at a time, and a caller waits for the one delivering: else a call could return
+        # while another thread still runs its ban's listener (the proof not kept yet, the take-back not done).
+        # Re-entrant: a listener calls back into the replica, whose methods deliver too.
+        self._delivering = threading.RLock()
 
     def add_listener(self, listener: Callable[[str], None]) -> None:
         self._listeners.append(listener)
@@ -59,16 +63,17 @@ class Bans:
         it around the call that banned, as the repair's `load`), the next call that releases it delivers."""
         if self.lock._is_owned():  # type: ignore[attr-defined]
             return
-        while True:
-            try:
-                sender = self._to_deliver.popleft()  # atomic: each ban is delivered once, by one thread
-            except IndexError:
-                return
-            for listener in self._listeners:
+        with self._delivering:
+            while True:
                 try:
-                    listener(sender)
-                except Exception:  # a listener's bug must not undo or skip the ban
-                    logger.exception("ban listener failed sender=%s", sender)
+                    sender = self._to_deliver.popleft()  # each ban is delivered once
+                except IndexError:
+                    return
+                for listener in self._listeners:
+                    try:
+                        listener(sender)
+                    except Exception:  # a listener's bug must not undo or skip the ban
+                        logger.exception("ban listener failed sender=%s", sender)
 
 
 def delivers_bans(method: _F) -> _F:

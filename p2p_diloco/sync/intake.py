@@ -18,7 +18,7 @@
 Nothing is decompressed before the signature and digest have been checked, and the payload's exact size is
 known from the RunSpec before any tensor is built (the allow list is checked once the signature has made
 the sender field mean something). A message failing two checks is rejected by the earlier one
-(tests/test_intake.py asserts the whole order). Signed rejections from steps 7-11 ban the sender (see
+(tests/sync/test_intake.py asserts the whole order). Signed rejections from steps 7-11 ban the sender (see
 `Replica`, rule 4); the replica runs them before it buffers an update too, so nothing a peer keeps and serves
 has failed a check of the update alone. Our codecs refuse non-finite values while decoding (step 8 reports
 "rejected_invalid"); step 9 catches what a decoder lets through and an overflowing weight.
@@ -57,9 +57,10 @@ MAX_EVIDENCE = 16
 _NOT_REJECTIONS = (MergeOutcome.MERGED, MergeOutcome.BUFFERED, MergeOutcome.DUPLICATE)
 
 
-def max_update_bytes(spec: RunSpec, numel: int) -> int:
-    """The largest envelope an honest peer of this run can send."""
-    return get_codec(spec.outer.codec, spec.outer.codec_block).payload_bytes(numel) + HEADER_ALLOWANCE_BYTES
+def max_update_bytes(spec: RunSpec, numel: int, codec: Codec | None = None) -> int:
+    """The largest envelope an honest peer of this run can send (`codec`: the run's, if built already)."""
+    codec = codec or get_codec(spec.outer.codec, spec.outer.codec_block)
+    return codec.payload_bytes(numel) + HEADER_ALLOWANCE_BYTES
 
 
 class Intake:
@@ -72,7 +73,7 @@ class Intake:
         self.numel = numel
         self.replica = replica
         self.codec: Codec = replica.codec  # the peer's one codec, the spec's (`Replica.from_spec`)
-        self.max_bytes = self.codec.payload_bytes(numel) + HEADER_ALLOWANCE_BYTES  # = max_update_bytes(spec, numel)
+        self.max_bytes = max_update_bytes(spec, numel, self.codec)
         replica.clock = lambda: self.clock()  # dates gaps: through us, so the simulator can set its own clock
         replica.add_ban_listener(self._on_ban)
         self.allowed = frozenset(spec.defence.allowed_senders)

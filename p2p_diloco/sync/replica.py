@@ -115,12 +115,10 @@ class Replica:
         self._merged_ids: dict[str, dict[int, bytes]] = {}  # sender -> seq -> update_id, last max_ids seqs
 
     @classmethod
-    def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None,
-                  version_vector: VersionVector | None = None) -> Replica:
+    def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None) -> Replica:
         """The replica of `spec`'s run: merge constants, codec (pass the peer's to share it) and every rule."""
         codec = codec or get_codec(spec.outer.codec, spec.outer.codec_block)
-        replica = cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec,
-                      version_vector=version_vector)
+        replica = cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec)
         replica.bind_rules(MergePolicy.from_spec(spec), gap_timeout_s=spec.defence.gap_timeout_s,
                            max_hole_span=spec.defence.max_hole_span)
         return replica

@@ -77,7 +77,8 @@ def honest_coord_bound(spec: RunSpec) -> float:
     return per_phase / (1.0 - outer.momentum)
 
 
-def _peak(x: Tensor) -> float:
+def peak(x: Tensor) -> float:
+    """max |x_i| without allocating a full-size temporary."""
     return float(torch.linalg.vector_norm(x, ord=math.inf)) if x.numel() else 0.0
 
 
@@ -181,7 +182,7 @@ class MergePolicy:
 
     def screen(self, delta: Tensor) -> str | None:
         """'norm_bound' if a coordinate of the decoded payload is above the bound; None if it passes."""
-        if math.isfinite(self.reject_above) and _peak(delta) > self.reject_above:
+        if math.isfinite(self.reject_above) and peak(delta) > self.reject_above:
             return "norm_bound"
         return None
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from p2p_diloco.sync.robust import MergePolicy
+from p2p_diloco.sync.robust import MergePolicy, peak
 from p2p_diloco.sync.types import MergeOutcome, UpdateLike
 from p2p_diloco.wire.codecs import Codec
 
@@ -34,11 +34,6 @@ def check_theta(theta: Tensor) -> None:
         raise ValueError("theta must be a 1-D float32 tensor (all parameters flattened)")
     if not bool(torch.isfinite(theta).all()):
         raise ValueError("theta must be all finite")
-
-
-def peak(t: Tensor) -> float:
-    """max |t_i| without allocating a full-size temporary."""
-    return float(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else 0.0
 
 
 def header_ok(update: UpdateLike) -> bool:

@@ -72,7 +72,7 @@ JOURNAL_KEEP_RECENT = 4
 """Own updates kept in the journal although every checkpoint holds them: a restarted peer publishes them again,
 because peers may never have got them (a peer that leaves right after a round leaves its last updates in its
 store only; without them its restart turns them into holes that the others wait out for gap_timeout_s, found
-by tests/test_restart.py under load). Costs 4 updates on disk (int8: 4 bytes per parameter in all)."""
+by tests/peer/test_restart.py under load). Costs 4 updates on disk (int8: 4 bytes per parameter in all)."""
 
 
 class CheckpointError(Exception):

@@ -131,15 +131,21 @@ class OuterUpdate:
     @functools.cached_property
     def encoded(self) -> bytes:
         """The envelope as sent (see the module docstring), built once per update: `encode_update`."""
-        return msgpack.packb({"v": FORMAT_VERSION, "h": self.header_bytes, "s": self.signature, "p": self.payload},
-                             use_bin_type=True)
+        return _pack(self)
+
+
+def _pack(u: OuterUpdate) -> bytes:
+    return msgpack.packb({"v": FORMAT_VERSION, "h": u.header_bytes, "s": u.signature, "p": u.payload},
+                         use_bin_type=True)
 
 
 def retained(u: OuterUpdate) -> OuterUpdate:
     """`u` for a long stay (the update store): it keeps its encoded envelope, served as it is, and holds its
     bytes once: the payload becomes a read-only view into the envelope, which ends with it (msgpack writes the
     map in order, "p" last)."""
-    data = u.encoded
+    # Not `u.encoded`: that would cache the envelope on `u`, which the caller may keep (the replica's buffer
+    # holds the same object), and `u` would then hold its payload twice.
+    data = u.__dict__.get("encoded") or _pack(u)
     if not data.endswith(u.payload):  # cannot happen with the encoding above; keep both copies if it does
         return u
     kept = OuterUpdate(u.header, u.header_bytes, u.signature, memoryview(data)[len(data) - len(u.payload):])

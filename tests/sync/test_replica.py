@@ -579,3 +579,40 @@ def test_each_update_is_decoded_once() -> None:
     own = make("b", 1)
     assert r.offer(own, decoded=decode(own.payload))[0] is MergeOutcome.MERGED and len(calls) == 2
     assert torch.allclose(r.theta, reference([later, first, own]))
+
+
+def test_a_banning_call_returns_only_after_its_ban_listeners_ran() -> None:
+    """Thread B is running the listener of its own ban when thread A bans another sender: A's call must not
+    return while B's loop still runs A's listener (A's caller would find no proof kept, no take-back done)."""
+    import logging
+    import threading
+
+    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec(lambda u: torch.zeros(DIM)))
+    a_queued, a_returned = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def listener(sender: str) -> None:
+        if sender == "x":
+            a_queued.wait(5)  # B is busy with x while A bans y
+        if sender == "y":
+            seen["a_returned_before_y_listener_ended"] = a_returned.wait(1)
+
+    class WhenAQueues(logging.Handler):  # the replica logs the ban under its lock: y is queued then
+        def emit(self, record: logging.LogRecord) -> None:
+            if "sender=y" in record.getMessage() and threading.current_thread().name == "A":
+                a_queued.set()
+                threading.Event().wait(0.3)  # let B's delivery loop reach y first
+
+    r.add_ban_listener(listener)
+    hook = WhenAQueues()
+    logging.getLogger("p2p_diloco.sync.replica").addHandler(hook)
+    try:
+        b = threading.Thread(target=lambda: r.ban("x", "test"), name="B")
+        b.start()
+        a = threading.Thread(target=lambda: (r.ban("y", "test"), a_returned.set()), name="A")
+        a.start()
+        a.join(10)
+        b.join(10)
+    finally:
+        logging.getLogger("p2p_diloco.sync.replica").removeHandler(hook)
+    assert seen == {"a_returned_before_y_listener_ended": False}

@@ -268,5 +268,8 @@ def test_arbitrary_msgpack_raises_only_wire_error(obj: Any) -> None:
 def test_retained_update_holds_its_envelope_once() -> None:
     u = _update()
     kept = retained(u)
+    # the caller's object is left as it was: it keeps no copy of the envelope (a buffer holding it would then
+    # hold the payload twice)
+    assert "encoded" not in u.__dict__
     assert kept == u and kept.update_id == u.update_id and encode_update(kept) is kept.encoded
     assert encode_update(kept) == encode_update(u) and decode_update(kept.encoded, max_bytes=MAX) == u

@@ -1,6 +1,6 @@
 """What a peer tells the swarm about itself, and how we read and show it.
 
-A peer's DHT record (signed, expiring: see `discovery`) carries these fields besides those `announce_peer`
+A peer's DHT record (signed, expiring: see records.py) carries these fields besides those `announce_peer`
 fills in (peer_id, run_id, updated_at, expiration_time):
 
     maddrs                  where to dial it

@@ -234,6 +234,7 @@ class Repair:
                             f"update(s) our vectors differ by can move it ({allowed:.3g})")
             held = self.store.missing_for(vv, 1 << 20)
             merged = replica.load(theta, vv)
+        replica.bans.deliver()  # bans load() made while we held the lock: their listeners run now
         for update in held:  # offer re-checks under the lock: a concurrent merge of the same update is a duplicate
             merged.extend(replica.offer(update)[1])
         lost_own = [q for q in range(vv.get(me) + 1, local.get(me) + 1) if not replica.version_vector.has(me, q)]

@@ -87,7 +87,7 @@ from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 
-__all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # the config and codec live in messages.py
+__all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # config/network.py, messages.py
 
 logger = logging.getLogger(__name__)
 
