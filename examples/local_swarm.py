@@ -80,15 +80,17 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2p_diloco.cli", *args]
 
 
-def start_bootstrap(workdir: Path, children: list[Child], timeout_s: float = 90) -> str:
+def start_bootstrap(workdir: Path, children: list[Child], timeout_s: float = 90) -> tuple[str, str]:
+    """The bootstrap's multiaddr and the URL of its status page (on 127.0.0.1, a free port)."""
     boot = Child("bootstrap", cli("bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-s", "0",
-                                  "--identity", str(workdir / "bootstrap.key")), workdir)
+                                  "--identity", str(workdir / "bootstrap.key"), "--status-port", "0"), workdir)
     children.append(boot)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = re.search(r"^bootstrap ready.*\n(/ip4/\S+)$", boot.output(), re.MULTILINE)
-        if found:
-            return found.group(1)
+        page = re.search(r"^status page: (\S+)", boot.output(), re.MULTILINE)
+        if found and page:
+            return found.group(1), page.group(1)
         if not boot.alive():
             raise RuntimeError(f"the bootstrap exited:\n{boot.output()}")
         time.sleep(0.2)
@@ -202,9 +204,10 @@ def main() -> int:
     threads = "1" if (os.cpu_count() or 1) <= 2 * args.peers else "0"
     try:
         print(f"workdir {workdir}")
-        bootstrap = start_bootstrap(workdir, children)
+        bootstrap, page = start_bootstrap(workdir, children)
         print(f"bootstrap {bootstrap}")
-        print(f"(another terminal: p2p-diloco status --bootstrap {bootstrap})\n")
+        print(f"watch it live: open {page} in a browser, or in another terminal run\n"
+              f"  p2p-diloco status --watch --bootstrap {bootstrap}\n")
         peers = []
         for i in range(args.peers):
             name = f"peer{i}"
@@ -233,6 +236,11 @@ def main() -> int:
         stop_all([child for _, child, _ in peers])
         summarize(peers, workdir)
         print(f"\nlogs, identities and replicas: {workdir}")
+        plots = subprocess.run(cli("plot", *(str(log) for _, _, log in peers), "--out-dir", str(workdir / "plots")),
+                               capture_output=True, text=True)
+        if plots.returncode == 0:
+            print(f"loss, bytes and utilization plots: {workdir / 'plots'} (summary.png); "
+                  f"again any time with `p2p-diloco plot {workdir}/*.jsonl`")
         return 0 if all(child.proc.returncode == 0 for _, child, _ in peers) else 1
     finally:
         stop_all([c for c in children if c.name != "bootstrap"])

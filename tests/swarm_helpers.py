@@ -180,10 +180,10 @@ class Launcher:
         return self.start(name, proc.argv, json_log=proc.json_log, out_dir=proc.out_dir, nice=nice)
 
     def bootstrap(self, name: str = "bootstrap", timeout_s: float = 60, *, host: str = "127.0.0.1",
-                  prefix: tuple[str, ...] = ()) -> tuple[Proc, str]:
+                  prefix: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[Proc, str]:
         """Our bootstrap on `host` port 0 (`prefix`: e.g. `ip netns exec NS`); returns it and its multiaddr."""
         proc = self.start(name, [*prefix, *cli("bootstrap", "--host", host, "--port", "0", "--report-s", "0",
-                                               "--identity", str(self.workdir / f"{name}.key"))])
+                                               "--identity", str(self.workdir / f"{name}.key"), *extra)])
         match = wait_until(lambda: re.search(r"^bootstrap ready.*\n(/ip4/\S+)$", proc.output(), re.MULTILINE),
                            timeout_s, "the bootstrap's address", procs=[proc])
         return proc, match.group(1)

@@ -27,6 +27,7 @@ LAYERS = (
     ("net.statesync",),
     ("net.gossip",),
     ("net",),  # the package itself (its __init__): nothing but a docstring
+    ("view",),  # what people see: snapshot, terminal view, web page, metrics, plots (no network of its own)
     ("peer",),
     ("sim",),  # the simulator and the in-memory network: used by nothing in the runtime below it
     ("cli",),

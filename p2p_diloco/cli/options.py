@@ -26,6 +26,7 @@ JOIN_SHOWN = {
     "training.linger_s": "--linger-s",
     "logging.out_dir": "--out-dir",
     "logging.json_log": "--json-log",
+    "logging.status_port": "--status-port",
     "checkpoint.dir": "--checkpoint-dir",
     "admission.access.allow_peers": "--allow-peers",
     "admission.access.run_secret_file": "--run-secret-file",

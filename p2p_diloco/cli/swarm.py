@@ -14,7 +14,8 @@ from typing import Any
 
 from p2p_diloco.cli.args import add_config_args, add_run_args, load_config
 from p2p_diloco.cli.options import bootstrap_options, join_options, status_options
-from p2p_diloco.config import BootstrapConfig, JoinConfig, StatusConfig, preset
+from p2p_diloco.cli.status import SwarmWatcher, cmd_status
+from p2p_diloco.config import BootstrapConfig, JoinConfig, preset
 
 
 def _fail(command: str, error: BaseException) -> int:
@@ -47,7 +48,8 @@ def add_swarm_commands(sub: argparse._SubParsersAction) -> None:
 
     text = "show a run's live peers: versions, throughput, loss, staleness"
     p = sub.add_parser("status", help=text, description=text + ". Starts a client-mode node with a throwaway "
-                       "identity, reads the peer records from the DHT, prints a table and exits.")
+                       "identity, reads the peer records from the DHT, prints a table and exits; with --watch, "
+                       "keeps a live view on the terminal until Ctrl-C.")
     add_config_args(p, status_options())
     p.set_defaults(func=cmd_status)
 
@@ -150,11 +152,15 @@ async def _bootstrap(config: BootstrapConfig, stop: Any) -> None:
                              force_reachability=config.reachability or None)
     node = await SwarmNode.start(identity_path, node_config, record_validators=[PeerRecordValidator(run_ids)])
     exit_with_parent(node)
+    page = None
     try:
         print(f"bootstrap ready (peer id {identity.peer_id}; checks records of runs: {', '.join(run_ids)})")
         for maddr in node.visible_maddrs():
             print(maddr)
         print("peers join with: p2p-diloco join --bootstrap <one of the addresses above>", flush=True)
+        if config.status_port >= 0:
+            page, refresher = _status_page(node, config)
+            print(f"status page: {page.url} (metrics: {page.url}metrics)", flush=True)
         next_report = time.monotonic() + config.report_s
         while not stop.is_set():
             await asyncio.sleep(0.2)
@@ -169,61 +175,22 @@ async def _bootstrap(config: BootstrapConfig, stop: Any) -> None:
                 print(f"live peers: {' '.join(counts)}", flush=True)
         print("bootstrap stopping", flush=True)
     finally:
+        if page is not None:
+            refresher.cancel()
+            page.close()
         await node.shutdown()
 
 
-# ---------------------------------------------------------------------------------------------- status
-
-
-def cmd_status(args: argparse.Namespace) -> int:
+def _status_page(node: Any, config: BootstrapConfig) -> tuple[Any, Any]:
+    """The bootstrap's status page and /metrics (the first run id given, else 'default') and the task that
+    re-reads the run's records on the node's loop."""
     import asyncio
 
-    from p2p_diloco.net.transport.node import NodeError
+    from p2p_diloco.view.metrics import metrics_endpoint
+    from p2p_diloco.view.web import StatusServer
 
-    try:
-        config = load_config(StatusConfig(), args, "status").validate()
-    except ValueError as err:
-        return _fail("status", err)
-    try:
-        return asyncio.run(_status(config))
-    except NodeError as err:
-        return _fail("status", err)
-    except (TimeoutError, asyncio.TimeoutError):
-        return _fail("status", TimeoutError(f"the DHT did not answer within {config.timeout_s:g}s"))
-
-
-async def _status(args: StatusConfig) -> int:
-    import json
-    import tempfile
-
-    from p2p_diloco.net.discovery.records import PeerRecordValidator, fetch_run_spec, list_peers
-    from p2p_diloco.net.discovery.status import rejection_details, status_table
-    from p2p_diloco.net.transport.node import NodeConfig, SwarmNode, parse_multiaddr
-    from p2p_diloco.wire.identity import Identity
-
-    bootstrap = tuple(parse_multiaddr(b, require_peer_id=True) for b in args.bootstrap)
-    with tempfile.TemporaryDirectory(prefix="p2p-diloco-status-") as tmp:
-        path = str(Path(tmp) / "throwaway.key")
-        Identity.generate().save(path)
-        config = NodeConfig(initial_peers=bootstrap, client_mode=True, start_timeout_s=args.timeout_s,
-                            start_retries=1)
-        # With the validator, a DHT node's answer that holds a forged record is dropped whole, so a forged record
-        # under another peer's subkey cannot hide that peer's real record from us.
-        node = await SwarmNode.start(path, config, record_validators=[PeerRecordValidator([args.run_id])])
-        try:
-            spec = await fetch_run_spec(node, args.run_id, timeout_s=args.timeout_s)
-            records = await list_peers(node, args.run_id, timeout_s=args.timeout_s)
-        finally:
-            await node.shutdown()
-    if args.json:
-        print(json.dumps({"run_id": args.run_id, "spec_hash": spec[1] if spec else None, "peers": records},
-                         indent=1, default=str))
-        return 0
-    spec_text = f"spec {spec[1][:12]}" if spec else "no spec published"
-    print(f"run '{args.run_id}': {spec_text}, {len(records)} peer record(s)")
-    if records:
-        print(status_table(records))
-        details = rejection_details(records)
-        if details:
-            print("\nrejections by reason, and each peer's worst offenders:\n" + details)
-    return 0
+    watcher = SwarmWatcher(node, (config.run_id or ("default",))[0], reachability=config.reachability,
+                           timeout_s=config.dht_timeout_s)
+    page = StatusServer(watcher.snapshot, host=config.status_host, port=config.status_port,
+                        metrics=metrics_endpoint(watcher.snapshot)).start()
+    return page, asyncio.get_running_loop().create_task(watcher.refresh_loop(), name="status-page")

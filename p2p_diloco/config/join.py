@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2p_diloco.config.admission import AdmissionConfig
-from p2p_diloco.config.network import GossipConfig, NetworkConfig, StateSyncConfig
+from p2p_diloco.config.network import GossipConfig, NetworkConfig, StateSyncConfig, check_status_port
 from p2p_diloco.config.spec import RunSpec, _require
 
 
@@ -75,14 +75,27 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Where this peer reports: the final replica and the per-round JSON log."""
+    """Where this peer reports: the final replica, the per-round JSON log, the status page and metrics."""
 
     out_dir: str = ""
     """On exit, write the replica (theta.pt) and its version vector (version_vector.json) into this folder."""
     json_log: str = ""
     """Append one JSON object per round (and per start, sync, eval and final event) to this file."""
+    status_port: int = -1
+    """Serve a web status page of the swarm, /api/status and Prometheus /metrics on this port (-1: off, 0: any
+    free port; the address is printed). Read-only."""
+    status_host: str = "127.0.0.1"
+    """Address the status page binds to: 127.0.0.1 keeps it on this host; 0.0.0.0 shows it to everyone."""
+    progress: str = "auto"
+    """Progress bars for state sync and each inner phase: auto (on a terminal), on, off (plain lines)."""
+    tensorboard_dir: str = ""
+    """Also log each round's figures for TensorBoard into this folder (needs the tensorboard package)."""
+    wandb_project: str = ""
+    """Also log each round's figures to this Weights & Biases project (needs wandb, logged in)."""
 
     def validate(self) -> LoggingConfig:
+        check_status_port(self.status_port, self.status_host)
+        _require(self.progress in ("auto", "on", "off"), f"progress must be auto, on or off, got {self.progress!r}")
         return self
 
 

@@ -138,10 +138,16 @@ class BootstrapConfig:
     """Print the number of live peers per run every this many seconds (0: never)."""
     dht_timeout_s: float = 10.0
     """Timeout of one DHT read, in seconds (for the reports)."""
+    status_port: int = -1
+    """Serve the web status page of the runs' peers, /api/status and Prometheus /metrics on this port (-1: off,
+    0: any free port)."""
+    status_host: str = "127.0.0.1"
+    """Address the status page binds to: 127.0.0.1 keeps it on this host; 0.0.0.0 shows it to everyone."""
 
     def validate(self) -> BootstrapConfig:
         _require(self.reachability in REACHABILITY,
                  f"reachability must be public, private or empty, got {self.reachability!r}")
+        check_status_port(self.status_port, self.status_host)
         return self
 
 
@@ -157,8 +163,20 @@ class StatusConfig:
     """Bound on starting the node and on each DHT read, in seconds."""
     json: bool = False
     """Print the raw peer records as JSON instead of a table."""
+    watch: bool = False
+    """Keep a live view of the run's peers on the terminal, refreshed every --interval-s, until Ctrl-C."""
+    interval_s: float = 2.0
+    """Seconds between refreshes of --watch."""
 
     def validate(self) -> StatusConfig:
         _require(bool(self.bootstrap), "give the swarm's bootstrap multiaddr with --bootstrap")
         _require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        _require(self.interval_s >= 0.2, f"interval_s must be >= 0.2, got {self.interval_s}")
+        _require(not (self.watch and self.json), "--watch and --json do not go together")
         return self
+
+
+def check_status_port(port: int, host: str) -> None:
+    """A status page's port: -1 (off), 0 (any free port) or a TCP port; a host to bind it to."""
+    _require(-1 <= port < 65536, f"status_port must be -1 (off), 0 (any free port) or a TCP port, got {port}")
+    _require(bool(host.strip()), "status_host must not be empty (127.0.0.1 keeps the page on this host)")

@@ -63,6 +63,7 @@ class Presence:
         # Shared with the compute thread: each is replaced whole, never mutated in place.
         self.static_record = dict(static_record or {})
         self.local: dict[str, Any] = {"state": "training"}
+        self.figures: dict[str, int] = {}  # live counters for the record (bytes, merged), set by the network's tick
         self.peers: dict[str, dict] = {}
         self.lost: dict[str, float] = {}  # peer -> when its record vanished without a farewell
         self._known_maddrs: dict[str, list[str]] = {}  # members' and lost peers' last announced addresses
@@ -80,7 +81,7 @@ class Presence:
 
     def record(self, state: str | None = None) -> dict:
         vv = self.learner.replica.version_vector
-        record = {**self.static_record, **self.local}
+        record = {**self.static_record, **self.figures, **self.local}
         record.update(maddrs=self.node.visible_maddrs()[:MAX_ANNOUNCED_MADDRS], version_vector_total=vv.total(),
                       vv_digest=vv.digest().hex()[:16], seq=vv.get(self.node.peer_id), updated_at=get_dht_time())
         if state is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from p2p_diloco.config import ConfigError, RunSpec
@@ -85,6 +86,10 @@ def check_spec(theirs: tuple[dict, str] | None, spec: RunSpec) -> None:
         "run with another --run-id.")
 
 
+RECORD_COUNTERS = ("bytes_sent", "bytes_received", "merged")
+"""Counters every record carries (as of the last tick), for `status` and the status page."""
+
+
 class PeerNetwork:
     """SwarmNode + spec handshake + admission + state sync + Gossip + SnapshotServer + EvidenceRelay + Repair
     + announce/refresh (`Presence`), on one loop."""
@@ -102,6 +107,7 @@ class PeerNetwork:
                                  dht_timeout_s=dht_timeout_s, static_record=static_record)
         self.counters: dict[str, int] = {}  # shared with the compute thread: replaced whole, never mutated
         self.sync_donor: str | None = None
+        self.sync_progress: Callable[[int, int], None] | None = None  # (bytes done, total) of a state sync
         self.node: SwarmNode | None = None
         self.learner: Learner | None = None
         self.intake: Intake | None = None  # built on the learner's replica by `_use`
@@ -248,7 +254,7 @@ class PeerNetwork:
         from p2p_diloco.net.statesync.client import fetch_snapshot
 
         theta, vv, donor = await fetch_snapshot(self.node, self.run_id, self.spec_hash, donors, learner.numel,
-                                                self.sync_config, guard=self.guard)
+                                                self.sync_config, guard=self.guard, on_progress=self.sync_progress)
         learner.replica.load(theta, vv)
         self.sync_donor = donor  # serve() pulls from it at once: catch-up need not wait for anti-entropy
         return donor, vv, theta.numel()
@@ -319,6 +325,7 @@ class PeerNetwork:
     def _tick(self) -> None:
         self.counters = collect_counters(self.intake, (self.gossip, self.relay, self.repair), self.server,
                                          self.guard)
+        self.presence.figures = {k: self.counters.get(k, 0) for k in RECORD_COUNTERS}
 
     # ---- called from the compute thread (through the loop) ----------------------------------------------
 

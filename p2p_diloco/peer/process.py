@@ -64,6 +64,8 @@ class Peer:
         self.exchange: Any = None  # SwarmExchange, once training begins
         self.round = 0
         self.checkpoints: Any = None  # PeerCheckpoints (peer/resume.py), None with --checkpoint-every 0
+        self.progress: Any = None  # JoinProgress (peer/progress.py): bars on a terminal
+        self.status: Any = None  # PeerStatus (peer/status.py): the snapshot, and the status page if asked for
         self._ready = False  # the replica is set up (restored or synced) and served: worth a checkpoint on exit
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -85,6 +87,7 @@ class Peer:
                 dht_timeout_s=self.config.network.dht_timeout_s, policy=self.policy)
             started = loop.submit(self.network.start())
             self._build_learner(identity)  # while the node starts
+            self._open_views(identity.peer_id)
             restored = self._restore()
             how = loop.wait(started, self.stop)
             self.report.start(how)
@@ -99,6 +102,7 @@ class Peer:
                                         stop=self.stop, stall_s=self.config.checkpoint.catch_up_stall_s,
                                         on_sync=self._adopt_journal)
             self._train(loop)
+            self.progress.close()  # the bars go; the linger's lines follow the last round line
             self._linger()
         except Stopped:
             self.out("stopping (interrupted during start-up)")
@@ -132,6 +136,22 @@ class Peer:
         self.report = PeerReport(self.spec, self.learner, self.network, eval_set=self.eval_set, log=self.log,
                                  out=self.out, checkpoints=self.checkpoints)
 
+    def _open_views(self, peer_id: str) -> None:
+        """Progress bars, the status page (with --status-port) and the optional TensorBoard / wandb sinks."""
+        from p2p_diloco.peer.progress import JoinProgress
+        from p2p_diloco.peer.sinks import open_sinks
+        from p2p_diloco.peer.status import PeerStatus
+
+        cfg = self.config.logging
+        self.progress = JoinProgress(cfg.progress, self.spec.inner.inner_steps, out=self.out)
+        self.network.sync_progress = self.progress.sync
+        self.status = self.report.status = PeerStatus(self.network, self.report)
+        if cfg.status_port >= 0:
+            url = self.status.serve(cfg.status_host, cfg.status_port)
+            self.out(f"status page: {url} (metrics: {url}metrics)")
+            self.log.write("status_page", url=url)
+        self.report.sinks = open_sinks(cfg, peer_id, self.spec)
+
     # ---- checkpoints and restart (peer/resume.py, train/checkpoint.py) ----------------------------------
 
     def _open_checkpoints(self, peer_id: str) -> Any:
@@ -163,7 +183,7 @@ class Peer:
 
     def _train(self, loop: Any) -> None:
         from p2p_diloco.peer.exchange import SwarmExchange
-        from p2p_diloco.train.loop import Schedule, drive, rounds
+        from p2p_diloco.train.loop import Schedule, rounds
 
         cfg = self.config.training
         self.exchange = SwarmExchange(self.network, loop.loop, self.samples_per_update)
@@ -171,9 +191,15 @@ class Peer:
                             checkpoint_every=self.config.checkpoint.every if self.checkpoints else 0,
                             finish_phase_within_s=cfg.finish_phase_within_s)
         self.report.training_begins(self.round)
+        ticks = rounds(self.learner, self.exchange, schedule, self.report, start_round=self.round, stop=self.stop,
+                       finish=self.finish)
         try:
-            ended = drive(rounds(self.learner, self.exchange, schedule, self.report, start_round=self.round,
-                                 stop=self.stop, finish=self.finish))
+            while True:  # `drive`, with each tick shown on the progress bars
+                try:
+                    self.progress.tick(next(ticks))
+                except StopIteration as end:
+                    ended = end.value
+                    break
         finally:
             self.round = self.report.round  # also after an error: the exit checkpoint names the rounds done
         if ended == "finish":
@@ -190,6 +216,16 @@ class Peer:
                out=self.out, log=self.log)
 
     # ---- leaving ----------------------------------------------------------------------------------------
+
+    def _close_views(self) -> None:
+        for closer in [getattr(self.progress, "close", None), getattr(self.status, "close", None),
+                       *(sink.close for sink in (self.report.sinks if self.report else []))]:
+            if closer is None:
+                continue
+            try:
+                closer()
+            except Exception as e:  # a view failing to close must not hide how the run ended
+                logger.warning("closing a view failed error=%r", e)
 
     def _finish(self, loop: Any) -> None:
         """Leave the swarm, write the final state, shut the node down: each step bounded, each step tried."""
@@ -213,6 +249,7 @@ class Peer:
             except Exception as e:
                 logger.warning("node shutdown failed error=%r", e)
             loop.close()
+            self._close_views()
             self.log.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()

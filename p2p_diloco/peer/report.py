@@ -39,6 +39,9 @@ class PeerReport(Hooks):
         self.last: dict[str, Any] = {}
         self.compute_s = 0.0
         self.t_start = time.monotonic()
+        self.status: Any = None  # PeerStatus (peer/status.py): the status page's history of our rounds
+        self.sinks: list[Any] = []  # optional TensorBoard / wandb writers (peer/sinks.py)
+        self.tokens_per_step = spec.data.batch_size * spec.model.block_size
 
     def start(self, how: str) -> None:
         for maddr in self.network.node.visible_maddrs():
@@ -80,13 +83,19 @@ class PeerReport(Hooks):
             "vv_total": vv.total(), "bytes_sent": counters.get("bytes_sent", 0),
             "bytes_received": counters.get("bytes_received", 0), "merged": counters.get("merged", 0),
             "rejected": counters.get("rejected", 0), "samples_per_s": done.samples_per_s, "round_s": done.round_s,
-            "utilization": self.compute_s / (time.monotonic() - self.t_start), "compute_s": self.compute_s}
+            "utilization": self.compute_s / (time.monotonic() - self.t_start), "compute_s": self.compute_s,
+            "tokens": learner.step * self.tokens_per_step}
         network.local = {"state": "training", "round": done.round, "step": learner.step,
                          "loss": done.result.mean_loss, "eval_loss": self.eval_loss,
-                         "samples_per_s": done.samples_per_s, "tau": update.header.tau}
+                         "samples_per_s": done.samples_per_s, "tau": update.header.tau,
+                         "utilization": round(self.last["utilization"], 4), "last_update_at": time.time()}
         network.request_announce()
         self.out(round_line(self.last))
         self.log.write("round", peer_id=learner.peer_id, **self.last)
+        if self.status is not None:
+            self.status.round_done(self.last)
+        for sink in self.sinks:
+            sink.write(self.last)
 
     def checkpoint(self, at_round: int) -> None:
         self.checkpoints.save(self.learner, round=at_round, why="periodic")

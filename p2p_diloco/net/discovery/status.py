@@ -14,6 +14,10 @@ fills in (peer_id, run_id, updated_at, expiration_time):
     samples_per_s           training throughput over its last round (wall clock)
     samples_per_update      samples in one of its updates (H * batch_size)
     tau                     staleness of its last update
+    utilization             share of wall time spent computing since it began training (0-1)
+    last_update_at          DHT time it published its last update
+    bytes_sent, bytes_received, merged
+                            its counters: bytes up and down (updates, pulls, snapshots), remote updates merged
     shard, corpus           data shard and corpus fingerprint (peers on another corpus are flagged)
     member_proof            in a run with a secret: HMAC proof of the secret, bound to the PeerID (admission/policy.py)
     rejected_by             {reason: count} of everything it refused: updates (intake outcomes but merged and

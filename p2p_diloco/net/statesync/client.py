@@ -34,7 +34,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,13 +177,16 @@ def _failure_reason(error: BaseException) -> str:
 
 
 async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: Sequence[str], numel: int,
-                         config: StateSyncConfig, *, guard: Any = None) -> tuple[torch.Tensor, VersionVector, str]:
+                         config: StateSyncConfig, *, guard: Any = None,
+                         on_progress: Callable[[int, int], None] | None = None,
+                         ) -> tuple[torch.Tensor, VersionVector, str]:
     """Fetch and verify a snapshot from the first donor (in the given order) that serves a good one.
 
     Returns (theta, its version vector, the donor used); load them with `replica.load(theta, vv)`, then let
     gossip pull what is newer. StateSyncError if every donor failed (each one's reason is in the message).
     With a `guard` (PeerGuard), non-members and penalized donors are skipped, every failure is counted against
-    its donor, and a donor that served anything unverifiable is penalized.
+    its donor, and a donor that served anything unverifiable is penalized. `on_progress(bytes_done, total)` is
+    called after each verified chunk (a progress bar; it must not block).
     """
     config.validate()
     _check_host()
@@ -209,7 +212,7 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
                                max_response_bytes=config.max_manifest_bytes, timeout_s=config.timeout_s),
                 donor=donor, run_id=run_id, spec_hash=spec_hash, numel=numel,
                 max_manifest_bytes=config.max_manifest_bytes)
-            await _fetch_chunks(node, run_id, manifest, buffer, config)  # every chunk verified and finite
+            await _fetch_chunks(node, run_id, manifest, buffer, config, on_progress)  # each chunk verified, finite
         except asyncio.CancelledError:
             raise
         except Exception as e:  # DonorError, RpcError, or anything else a remote could provoke
@@ -232,7 +235,7 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
 
 
 async def _fetch_chunks(node: SwarmNode, run_id: str, manifest: Manifest, buffer: memoryview,
-                        config: StateSyncConfig) -> None:
+                        config: StateSyncConfig, on_progress: Callable[[int, int], None] | None = None) -> None:
     """Fetch every chunk with `parallel_chunks` in flight, verify it and copy it into `buffer`."""
     total, size = len(buffer), manifest.chunk_bytes
     indices = iter(range(len(manifest.chunk_digests)))  # shared: each index goes to exactly one worker
@@ -251,6 +254,8 @@ async def _fetch_chunks(node: SwarmNode, run_id: str, manifest: Manifest, buffer
                 reason = "nonfinite_chunk" if "non-finite" in problem else "bad_chunk"
                 raise DonorError(f"chunk {index} {problem}", reason)
             progress["bytes"] += length
+            if on_progress is not None:
+                on_progress(progress["bytes"], total)
             if time.monotonic() - progress["logged_at"] > _PROGRESS_LOG_S:
                 progress["logged_at"] = time.monotonic()
                 logger.info("state sync progress donor=%s done_mb=%.0f total_mb=%.0f", manifest.donor,

@@ -1,0 +1,64 @@
+"""Optional places a peer also logs each round's figures: TensorBoard and Weights & Biases, when the operator
+asks for them and has the package installed. Never required: a missing package is one clear error at start."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from p2p_diloco.config import ConfigError
+
+SCALARS = ("loss", "eval_loss", "utilization", "tau", "peers", "vv_total", "bytes_sent", "bytes_received",
+           "merged", "rejected", "samples_per_s", "round_s")
+
+
+def scalars(figures: Mapping[str, Any]) -> dict[str, float]:
+    """The round's numeric figures (None and non-numbers left out: eval_loss is None on most rounds)."""
+    return {k: float(figures[k]) for k in SCALARS
+            if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool)}
+
+
+class TensorBoardSink:
+    def __init__(self, folder: str, peer_id: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(f"--logging.tensorboard_dir needs the tensorboard package ({e}); "
+                              "pip install tensorboard") from None
+        self.writer = SummaryWriter(log_dir=folder, comment=peer_id[-8:])
+
+    def write(self, figures: Mapping[str, Any]) -> None:
+        step = int(figures.get("tokens") or figures.get("round") or 0)  # x axis: tokens, comparable across peers
+        for name, value in scalars(figures).items():
+            self.writer.add_scalar(name, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, peer_id: str, spec: Any) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("--logging.wandb_project needs the wandb package; pip install wandb") from None
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=peer_id[-8:], config={"spec_hash": spec.spec_hash(),
+                                                                         "run_id": spec.run_id})
+
+    def write(self, figures: Mapping[str, Any]) -> None:
+        self.run.log({**scalars(figures), "tokens": figures.get("tokens", 0)}, step=int(figures.get("round", 0)))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_sinks(config: Any, peer_id: str, spec: Any) -> list[Any]:
+    """The sinks `config` (LoggingConfig) asks for."""
+    sinks: list[Any] = []
+    if config.tensorboard_dir:
+        sinks.append(TensorBoardSink(config.tensorboard_dir, peer_id))
+    if config.wandb_project:
+        sinks.append(WandbSink(config.wandb_project, peer_id, spec))
+    return sinks

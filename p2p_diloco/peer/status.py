@@ -1,0 +1,81 @@
+"""What this peer shows people of the swarm: the snapshot (view/snapshot.py) of the records it holds and of its
+own figures, its round history, and, with `--status-port`, the read-only status page and /metrics serving it.
+
+The snapshot is built on the HTTP server's thread from values the other threads replace whole (the network's
+`peers`, `counters`, the report's `last`), so reading them needs no lock; the curves are guarded by one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from p2p_diloco.peer.network_counters import rejection_totals
+from p2p_diloco.view.snapshot import Curves, LocalRounds, build_snapshot, reachability_of
+
+
+class PeerStatus:
+    """This peer's view of the swarm, and the status server when one is asked for."""
+
+    def __init__(self, network: Any, report: Any) -> None:
+        self.network, self.report = network, report
+        self.curves = Curves()
+        self.rounds = LocalRounds()
+        self.server: Any = None
+        self._lock = threading.Lock()
+
+    def round_done(self, figures: dict[str, Any]) -> None:
+        """After each round (compute thread): our round into the history, the others' records into the curves,
+        so the page shows the whole run even when nobody watched it."""
+        self.rounds.append({**figures, "time": time.time()})
+        with self._lock:
+            self.curves.observe(self._records(), time.time())
+
+    def _records(self) -> dict[str, dict]:
+        network = self.network
+        records = dict(network.peers)
+        if network.node is not None and network.learner is not None:
+            records[network.node.peer_id] = network.presence.record()
+        return records
+
+    def self_figures(self) -> dict[str, Any] | None:
+        network = self.network
+        if network.learner is None:
+            return None
+        counters = network.counters
+        last = self.report.last if self.report is not None else {}
+        return {**{k: last.get(k) for k in ("round", "loss", "eval_loss", "utilization", "tau", "peers")},
+                "vv_total": network.learner.replica.version_vector.total(),
+                "bytes_sent": counters.get("bytes_sent", 0), "bytes_received": counters.get("bytes_received", 0),
+                "merged": counters.get("merged", 0), "rejected": counters.get("rejected", 0),
+                "rejected_by": rejection_totals(network.intake, network.guard),
+                "banned": len(network.learner.replica.banned)}
+
+    def snapshot(self) -> dict[str, Any]:
+        network = self.network
+        node = network.node
+        addrs = node.visible_maddrs() if node is not None else []
+        configured = network.node_config.force_reachability
+        observer = {"kind": "peer", "peer_id": node.peer_id if node is not None else None,
+                    "reachability": configured or reachability_of(addrs), "addrs": addrs[:8]}
+        with self._lock:
+            return build_snapshot(run_id=network.run_id, spec_hash=network.spec_hash, now=time.time(),
+                                  records=self._records(), observer=observer, self_figures=self.self_figures(),
+                                  curves=self.curves, local=self.rounds)
+
+    # ---- the server ---------------------------------------------------------------------------------------
+
+    def serve(self, host: str, port: int) -> str:
+        """Start the status page and /metrics on host:port (port 0: a free one); returns its URL."""
+        from p2p_diloco.view.metrics import metrics_endpoint
+        from p2p_diloco.view.web import StatusServer
+
+        self.server = StatusServer(self.snapshot, host=host, port=port, metrics=metrics_endpoint(self.snapshot))
+        self.server.start()
+        return self.server.url
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
