@@ -51,7 +51,10 @@ class Peer:
 
         self.config = config.validate()
         self.spec = config.spec
+        from p2p_diloco.peer.sinks import check_available
+
         resolve_device(config.training.device)  # a missing GPU fails here, before the node starts
+        check_available(config.logging)  # so does a TensorBoard or wandb sink whose package is missing
         # access (allow list, run secret) and rate limits
         self.policy = NetPolicy(config.admission.access, config.admission.rate)
         self.stop = stop or threading.Event()  # leave now (Ctrl-C, SIGTERM)

@@ -54,6 +54,16 @@ class WandbSink:
         self.run.finish()
 
 
+def check_available(config: Any) -> None:
+    """ConfigError now, before the node starts, if a sink `config` (LoggingConfig) asks for is not installed."""
+    import importlib.util
+
+    for wanted, module, flag in ((config.tensorboard_dir, "tensorboard", "--logging.tensorboard_dir"),
+                                 (config.wandb_project, "wandb", "--logging.wandb_project")):
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{flag} needs the {module} package; pip install {module}")
+
+
 def open_sinks(config: Any, peer_id: str, spec: Any) -> list[Any]:
     """The sinks `config` (LoggingConfig) asks for."""
     sinks: list[Any] = []

@@ -117,12 +117,14 @@ def vv_matrix(records: Mapping[str, Mapping[str, Any]], limit: int = MAX_MATRIX_
 
 
 class Curves:
-    """Each peer's loss over time, as its records said it: one point per new round seen. Bounded in peers and
-    in points (see MAX_CURVE_PEERS, MAX_CURVE_POINTS)."""
+    """Each peer's loss over time, as its records said it: one point per new round seen. A record carries the
+    peer's last eval loss on every round after it; a point gets it only once, at the first round it appears.
+    Bounded in peers and in points (see MAX_CURVE_PEERS, MAX_CURVE_POINTS)."""
 
     def __init__(self, max_peers: int = MAX_CURVE_PEERS, max_points: int = MAX_CURVE_POINTS) -> None:
         self.max_peers, self.max_points = max_peers, max_points
         self._curves: OrderedDict[str, list[list]] = OrderedDict()
+        self._last_eval: dict[str, float] = {}  # per peer: the eval loss already drawn
 
     def observe(self, records: Mapping[str, Mapping[str, Any]], now: float) -> None:
         for pid, record in records.items():
@@ -130,17 +132,22 @@ class Curves:
             at_round = int(number(record, "round"))
             if loss is None or at_round <= 0:
                 continue
+            eval_loss = _optional(record, "eval_loss")
+            fresh_eval = eval_loss if eval_loss is not None and eval_loss != self._last_eval.get(pid) else None
             curve = self._curves.get(pid)
             if curve is not None and curve[-1][1] == at_round:
-                if curve[-1][3] is None:  # the eval of a round can arrive in a later record
-                    curve[-1][3] = _optional(record, "eval_loss")
+                if curve[-1][3] is None and fresh_eval is not None:  # the round's eval came in a later record
+                    curve[-1][3] = self._last_eval[pid] = fresh_eval
                 continue
             if curve is None:
                 curve = self._curves[pid] = []
                 while len(self._curves) > self.max_peers:
-                    self._curves.popitem(last=False)
+                    gone, _ = self._curves.popitem(last=False)
+                    self._last_eval.pop(gone, None)
             self._curves.move_to_end(pid)
-            curve.append([number(record, "updated_at", now), at_round, loss, _optional(record, "eval_loss")])
+            curve.append([number(record, "updated_at", now), at_round, loss, fresh_eval])
+            if fresh_eval is not None:
+                self._last_eval[pid] = fresh_eval
             if len(curve) > self.max_points:
                 curve[:] = curve[::2]
 

@@ -57,8 +57,9 @@ def test_curves_add_a_point_per_new_round_and_fill_a_late_eval():
     curves = Curves()
     curves.observe({"a": record(round_=1)}, NOW)
     curves.observe({"a": record(round_=1, eval_loss=2.2)}, NOW)
-    curves.observe({"a": record(round_=2, loss=2.0)}, NOW)
-    assert [(p[1], p[2], p[3]) for p in curves.to_dict()["a"]] == [(1, 2.5, 2.2), (2, 2.0, None)]
+    curves.observe({"a": record(round_=2, loss=2.0, eval_loss=2.2)}, NOW)  # the same eval, carried on: not redrawn
+    curves.observe({"a": record(round_=3, loss=1.9, eval_loss=2.1)}, NOW)
+    assert [(p[1], p[2], p[3]) for p in curves.to_dict()["a"]] == [(1, 2.5, 2.2), (2, 2.0, None), (3, 1.9, 2.1)]
 
 
 def test_curves_stay_bounded_under_a_flood_of_identities_and_rounds():
