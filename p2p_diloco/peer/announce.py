@@ -72,6 +72,7 @@ class Presence:
         self._announce_wanted = False
         self._announced_digest: str | None = None
         self.announced_at: float | None = None  # updated_at of our last record (another one: another process)
+        self.last_record: dict[str, Any] = {}  # the record we last announced (the status page shows it)
 
     def request_announce(self) -> None:
         """Thread-safe: announce soon (rate-limited), e.g. after a round or a change of state."""
@@ -107,6 +108,7 @@ class Presence:
         if not ok:  # hivemind reports the first replica's answer: one holding a forged record says no
             logger.warning("announce: the first DHT node asked did not store our record")
         self._announced_digest, self.announced_at = record["vv_digest"], record["updated_at"]
+        self.last_record = record
         return ok
 
     async def announce_loop(self, on_tick: Callable[[], None]) -> None:

@@ -11,7 +11,6 @@ import threading
 import time
 from typing import Any
 
-from p2p_diloco.peer.network_counters import rejection_totals
 from p2p_diloco.view.snapshot import Curves, LocalRounds, build_snapshot, reachability_of
 
 
@@ -33,10 +32,13 @@ class PeerStatus:
             self.curves.observe(self._records(), time.time())
 
     def _records(self) -> dict[str, dict]:
+        """The members' records and ours as last announced (what the others see of us; built on the network
+        loop, which also owns the counters a fresh record would have to read)."""
         network = self.network
         records = dict(network.peers)
-        if network.node is not None and network.learner is not None:
-            records[network.node.peer_id] = network.presence.record()
+        own = network.presence.last_record
+        if own and network.node is not None:
+            records[network.node.peer_id] = own
         return records
 
     def self_figures(self) -> dict[str, Any] | None:
@@ -49,7 +51,7 @@ class PeerStatus:
                 "vv_total": network.learner.replica.version_vector.total(),
                 "bytes_sent": counters.get("bytes_sent", 0), "bytes_received": counters.get("bytes_received", 0),
                 "merged": counters.get("merged", 0), "rejected": counters.get("rejected", 0),
-                "rejected_by": rejection_totals(network.intake, network.guard),
+                "rejected_by": dict(network.presence.last_record.get("rejected_by") or {}),
                 "banned": len(network.learner.replica.banned)}
 
     def snapshot(self) -> dict[str, Any]:
