@@ -114,7 +114,15 @@ def severe(driver) -> list[str]:
 
 
 def text(driver, css: str) -> str:
-    return driver.find_element(By.CSS_SELECTOR, css).text
+    # Read in one script call: the page re-renders while it polls, and an element found by one WebDriver call
+    # may be gone by the next one (StaleElementReferenceException).
+    got = driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : null", css)
+    assert got is not None, f"no element {css!r} on the page"
+    return got
+
+
+def texts(driver, css: str) -> list[str]:
+    return driver.execute_script("return [...document.querySelectorAll(arguments[0])].map(e => e.innerText)", css)
 
 
 def row_round(driver, peer: str) -> int:
@@ -160,8 +168,8 @@ def test_a_live_swarm_renders_and_refreshes(driver, tmp_path):
         assert not driver.find_element(By.ID, "no-peers").is_displayed()
 
         # The heat map: 3 x 3 lag cells, the unknown one marked, labels are short ids.
-        cells = driver.find_elements(By.CSS_SELECTOR, "#vv-matrix tbody td")
-        assert len(cells) == 9 and [c.text for c in cells].count("?") == 1
+        cells = texts(driver, "#vv-matrix tbody td")
+        assert len(cells) == 9 and cells.count("?") == 1
         assert A[-8:] in text(driver, "#vv-matrix thead")
 
         # The charts: sized, and drawn in the peers' colours (lines and bars, not just an "empty" message).
@@ -172,9 +180,11 @@ def test_a_live_swarm_renders_and_refreshes(driver, tmp_path):
         assert len(driver.find_elements(By.CSS_SELECTOR, "#loss-legend .key")) == 3
 
         # Untrusted strings are text: the hostile id is shown verbatim and created no element, ran no script.
-        evil_row = driver.find_element(By.CSS_SELECTOR, f'tr[data-peer="{EVIL}"]')
-        assert "<b>x</b>" in evil_row.text and "<i>pwn</i>" in evil_row.text and "<u>relayed</u>" in evil_row.text
-        assert evil_row.find_element(By.CSS_SELECTOR, 'td[data-col="peer"]').get_attribute("title") == EVIL
+        evil_row = text(driver, f'tr[data-peer="{EVIL}"]')
+        assert "<b>x</b>" in evil_row and "<i>pwn</i>" in evil_row and "<u>relayed</u>" in evil_row
+        title = driver.execute_script("return document.querySelector(arguments[0]).title",
+                                      f'tr[data-peer="{EVIL}"] td[data-col="peer"]')
+        assert title == EVIL
         assert "<svg onload=alert(2)>" in text(driver, "#connectivity")
         assert "digest <img src" in text(driver, "#agreement")  # digests are cut to 8 characters
         injected = driver.execute_script(
