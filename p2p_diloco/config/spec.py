@@ -93,8 +93,17 @@ class InnerConfig:
     """Cosine floor as a fraction of lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
+    schedule_clock: str = "swarm"
+    """What the lr schedule counts: swarm (the rounds the swarm has done, from the replica's version vector, in
+    steps: a slow or late unit takes the swarm's lr) or own (this unit's inner steps, DiLoCo's)."""
+    rebase_window: float = 1.0
+    """Updates merged while the first this fraction of a phase runs are added to the local model at the next
+    step; later ones wait for the next phase (1: always at the next step)."""
 
     def validate(self) -> None:
+        _require(self.schedule_clock in ("own", "swarm"),
+                 f"inner.schedule_clock must be own or swarm, got {self.schedule_clock!r}")
+        _require(0 <= self.rebase_window <= 1, f"inner.rebase_window must be in [0, 1], got {self.rebase_window}")
         _require(self.inner_steps > 0, f"inner.inner_steps must be > 0, got {self.inner_steps}")
         _require(self.lr > 0 and math.isfinite(self.lr), f"inner.lr must be a positive number, got {self.lr}")
         _require(self.weight_decay >= 0, f"inner.weight_decay must be >= 0, got {self.weight_decay}")
@@ -109,9 +118,10 @@ class InnerConfig:
 class OuterConfig:
     """The outer step: sender-side Nesterov, compression with error feedback, weighting."""
 
-    outer_lr: float = 0.7
-    """Outer learning rate (DiLoCo: 0.7)."""
-    momentum: float = 0.9
+    outer_lr: float = 1.4
+    """Outer learning rate (DiLoCo: 0.7 with mu 0.9; an async swarm's loss then depends on when updates land;
+    1.4 with mu 0.3 does not: BENCHMARKS.md "Async quality")."""
+    momentum: float = 0.3
     """Outer momentum mu (DiLoCo: 0.9); 0 gives plain averaging."""
     nesterov: bool = True
     """Nesterov momentum (DiLoCo); False gives heavy-ball."""

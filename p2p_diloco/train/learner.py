@@ -50,6 +50,17 @@ from p2p_diloco.wire.identity import Identity
 logger = logging.getLogger(__name__)
 
 
+def swarm_rounds(vv: VersionVector) -> float:
+    """How many rounds a unit of the swarm has done, from a version vector: the mean of the senders' counts,
+    weighted by those counts (sum c^2 / sum c). Equal counts give that count. A sender with few updates (a
+    joiner, a fresh identity, a unit that left early) weighs by what it did: a newcomer with one update moves
+    n established senders' clock by less than 1/n of a round (with a plain mean: by c/n), while a unit 4x
+    slower still pulls it down by its share."""
+    counts = [c for _, c in vv.items() if c > 0]
+    total = sum(counts)
+    return sum(c * c for c in counts) / total if total else 0.0
+
+
 @dataclass
 class Phase:
     """One inner phase in progress.
@@ -68,6 +79,7 @@ class Phase:
     losses: list[float] = field(default_factory=list)
     compute_s: float = 0.0
     rebases: int = 0
+    start_version_vector: VersionVector | None = None  # the replica's vector when the phase began (lr clock)
 
     def result(self) -> InnerResult:
         return InnerResult(steps=self.steps_done, samples=self.samples,
@@ -122,24 +134,37 @@ class Learner:
     def begin_phase(self) -> Phase:
         theta, vv = self.replica.snapshot()
         load_flat_params(self.model, theta)
-        return Phase(base=theta, version_vector=vv, started_at=time.time())
+        return Phase(base=theta, version_vector=vv, started_at=time.time(), start_version_vector=vv)
 
     def run_inner(self, phase: Phase, steps: int | None = None) -> InnerResult:
         """Run `steps` more inner steps (default: the rest of the phase). Between steps, take the updates the
         replica merged meanwhile (never waiting for any). The AdamW state carries over between phases (DiLoCo)."""
-        todo = self.spec.inner.inner_steps - phase.steps_done if steps is None else steps
+        cfg = self.spec.inner
+        todo = cfg.inner_steps - phase.steps_done if steps is None else steps
         t0 = time.perf_counter()
         self.model.train()
         for _ in range(todo):
-            if self.replica.version_vector != phase.version_vector:
+            if phase.steps_done < cfg.rebase_window * cfg.inner_steps \
+                    and self.replica.version_vector != phase.version_vector:
                 self._rebase(phase)
             x, y = (t.to(self.device) for t in self.sampler.batch(self.step))  # CPU batches, to the model
-            phase.losses.append(inner_step(self.model, self.optimizer, x, y, self.step, self.spec.inner))
+            phase.losses.append(inner_step(self.model, self.optimizer, x, y, self.lr_clock(phase), cfg))
             phase.samples += x.shape[0]
             phase.steps_done += 1
             self.step += 1
         phase.compute_s += time.perf_counter() - t0
         return phase.result()
+
+    def lr_clock(self, phase: Phase) -> int:
+        """The step the lr schedule is at: our own cumulative steps (schedule_clock "own"), or the swarm's
+        progress as our replica knew it when the phase began (`swarm_rounds`, times H) plus this phase's steps.
+        With equal units in lockstep the two are equal; a unit 4x slower than the others, or one that joined
+        late, then decays its lr with the swarm instead of training at a high lr while the swarm has cooled
+        down (and a joiner skips the warmup the swarm did long ago)."""
+        if self.spec.inner.schedule_clock == "own":
+            return self.step
+        rounds = swarm_rounds(phase.start_version_vector or phase.version_vector)
+        return int(rounds * self.spec.inner.inner_steps) + phase.steps_done
 
     def _rebase(self, phase: Phase) -> None:
         """phi += theta_now - base: apply the remote updates merged since the last rebase to the local model."""

@@ -13,6 +13,7 @@ from p2p_diloco.cli.main import build_parser
 from p2p_diloco.cli.swarm import join_config
 from p2p_diloco.config import JoinConfig, SimulateConfig, preset
 from p2p_diloco.config.load import leaves
+from p2p_diloco.config.spec import InnerConfig, OuterConfig
 
 OPTION_LINE = r"^ +(-[A-Za-z], )?--[a-z]"
 
@@ -77,6 +78,11 @@ def test_profiles_load(tmp_path):
         path = Path(__file__).resolve().parents[2] / "peers" / f"{name}.toml"
         config = join_config(_join_args("--config", str(path)))
         assert config.spec.run_id == {"cpu-volunteer": "cpu-volunteers", "gpu-24gb": "gpu-24gb"}[name]
+        # A profile spells out the whole spec; its outer step and lr clock must be today's defaults, not a copy
+        # of older ones (BENCHMARKS.md "Async quality").
+        assert config.spec.outer.outer_lr == OuterConfig().outer_lr
+        assert config.spec.outer.momentum == OuterConfig().momentum
+        assert config.spec.inner.schedule_clock == InnerConfig().schedule_clock
 
 
 @pytest.mark.parametrize("content, extra, message", [

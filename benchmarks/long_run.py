@@ -1,0 +1,125 @@
+"""A long run: where does the gap between DiLoCo and data-parallel go after 100+ outer rounds, and at what H?
+
+    python benchmarks/long_run.py --rounds 100 --inner-steps 10,20,50 --out benchmarks/results/long_run
+
+The simulator, the `test` preset, N=4 units, orderly timing, equal tokens for every method (rounds x N x H
+inner steps, the lr decayed over each unit's rounds x H steps): async p2p DiLoCo with the RunSpec's defaults,
+synchronous DiLoCo (outer Nesterov lr 0.7, mu 0.9), synchronous DiLoCo with the new outer step, and
+data-parallel (one AdamW step on N batches per step). Prints each method's gap to data-parallel at equal
+tokens after 10, 25, 50... rounds: the trend.
+Writes OUT.json (final losses and curves) and OUT.png (eval loss vs tokens, one panel per H).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_timing import METHODS, ORDERLY  # noqa: E402  (the same method definitions as the timing matrix)
+
+LONG_METHODS = {"async-new": METHODS["async-new"], "sync-diloco": METHODS["sync-diloco"],
+                "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}}}
+
+
+def run_one(job: tuple) -> dict:
+    name, method, H, rounds = job
+    import torch
+
+    torch.set_num_threads(1)
+    from p2p_diloco.config import SimConfig, preset
+    from p2p_diloco.sim.runner import simulate
+
+    spec = preset("test")
+    spec = dataclasses.replace(
+        spec, inner=dataclasses.replace(spec.inner, inner_steps=H, decay_steps=rounds * H, **method["inner"]),
+        outer=dataclasses.replace(spec.outer, **method["outer"]))
+    total = rounds * 4 * H
+    sim = SimConfig(peers=4, total_steps=total, method=method["sim"], eval_every_s=rounds * H / 25, **ORDERLY)
+    t0 = time.time()
+    result = simulate(spec, sim)
+    return {"method": name, "H": H, "rounds": rounds, "loss": result.eval_loss, "wall_s": time.time() - t0,
+            "curve": [(p.tokens, p.loss) for p in result.curve]}
+
+
+def loss_at(curve: list, tokens: float) -> float:
+    """The eval loss at `tokens`, linearly interpolated between the curve's points."""
+    pts = sorted(curve)
+    for (t0, l0), (t1, l1) in zip(pts, pts[1:]):
+        if t0 <= tokens <= t1:
+            return l0 + (l1 - l0) * (tokens - t0) / max(t1 - t0, 1e-9)
+    return pts[-1][1] if tokens >= pts[-1][0] else pts[0][1]
+
+
+def gap_trend(results: list[dict]) -> list[dict]:
+    """Each method's gap to data-parallel at equal tokens after 10, 25, 50... rounds: the trend of the gap."""
+    rows = []
+    for r in results:
+        if r["method"] == "data-parallel":
+            continue
+        dp = next(x for x in results if x["H"] == r["H"] and x["method"] == "data-parallel")
+        per_round = max(t for t, _ in dp["curve"]) / r["rounds"]
+        marks = [m for m in (10, 25, 50, 100, 200, 400) if m < r["rounds"]] + [r["rounds"]]
+        gaps = {m: loss_at(r["curve"], m * per_round) / loss_at(dp["curve"], m * per_round) - 1
+                for m in marks}
+        rows.append({"method": r["method"], "H": r["H"], "gap_vs_dp": gaps})
+    return rows
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hs = sorted({r["H"] for r in results})
+    fig, axes = plt.subplots(1, len(hs), figsize=(6.5 * len(hs), 4.5), dpi=120, squeeze=False)
+    for ax, H in zip(axes[0], hs):
+        for r in (r for r in results if r["H"] == H):
+            tokens, losses = zip(*r["curve"])
+            ax.plot(tokens, losses, label=f"{r['method']} ({r['loss']:.3f})")
+        ax.set_title(f"H={H}, {results[0]['rounds']} rounds, 4 units")
+        ax.set_xlabel("tokens (whole swarm)")
+        ax.set_ylabel("eval loss")
+        ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--inner-steps", default="20,50")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_run"))
+    args = ap.parse_args()
+    jobs = [(name, m, int(H), args.rounds) for H in args.inner_steps.split(",") for name, m in LONG_METHODS.items()]
+    print(f"# {time.strftime('%Y-%m-%d')} `{' '.join(sys.argv)}`", flush=True)
+    with ProcessPoolExecutor(args.workers) as pool:
+        results = list(pool.map(run_one, jobs))
+    for r in results:
+        dp = next(x["loss"] for x in results if x["H"] == r["H"] and x["method"] == "data-parallel")
+        r["vs_dp"] = r["loss"] / dp - 1
+        print(f"H={r['H']:>3} {r['method']:14s} {r['loss']:.4f}  vs DP {r['vs_dp'] * 100:+.2f}%  ({r['wall_s']:.0f} s)")
+    trend = gap_trend(results)
+    for t in trend:
+        marks = "  ".join(f"r{m}: {g * 100:+.2f}%" for m, g in t["gap_vs_dp"].items())
+        print(f"H={t['H']:>3} {t['method']:14s} gap to DP after  {marks}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"runs": results, "gap_trend": trend}, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What the async round does besides the outer step: the lr clock a unit follows and when remote updates reach
+its local model. Both are RunSpec settings, the same on every peer and in the simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from p2p_diloco.config import preset
+from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.exchange import CollectingExchange
+from p2p_diloco.train.learner import Learner, SwarmView, swarm_rounds
+from p2p_diloco.train.loop import run_rounds
+from p2p_diloco.train.model import flat_params
+from p2p_diloco.wire.identity import Identity
+
+pytestmark = pytest.mark.timeout(180)
+BASE = preset("test")
+
+
+def spec(**inner):
+    return dataclasses.replace(BASE, inner=dataclasses.replace(BASE.inner, inner_steps=4, **inner))
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(BASE.data, block_size=BASE.model.block_size)
+
+
+def make(corpus, s) -> Learner:
+    return Learner(s, Identity.generate(), corpus, shard=0, num_shards=2)
+
+
+def test_the_swarm_clock_is_the_swarm_progress_of_the_phase_start(corpus):
+    learner = make(corpus, spec(schedule_clock="swarm"))
+    phase = learner.begin_phase()
+    phase.start_version_vector = VersionVector({"a": 4, "b": 4, "c": 1})  # a unit 4x slower than two others
+    phase.steps_done = 2
+    assert learner.lr_clock(phase) == int(33 / 9 * 4) + 2  # (16 + 16 + 1) / 9 rounds, times H, and this phase
+    own = make(corpus, spec(schedule_clock="own"))
+    own.step = 17
+    assert own.lr_clock(own.begin_phase()) == 17
+
+
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=50))
+def test_swarm_rounds_lies_between_the_slowest_and_fastest_sender(counts):
+    r = swarm_rounds(VersionVector({f"p{i}": c for i, c in enumerate(counts)}))
+    assert min(counts) - 1e-9 <= r <= max(counts) + 1e-9
+    if len(set(counts)) == 1:
+        assert r == pytest.approx(counts[0])
+
+
+@given(st.integers(1, 50), st.integers(1, 10_000), st.integers(1, 20))
+def test_newcomers_barely_move_the_swarm_clock(n, c, newcomers):
+    # A crowd of fresh identities with one update each must not send the established swarm back to warmup.
+    swarm = {f"p{i}": c for i in range(n)}
+    crowd = {**swarm, **{f"new{j}": 1 for j in range(newcomers)}}
+    assert swarm_rounds(VersionVector(crowd)) > c - newcomers / n - 1e-9
+
+
+def test_with_one_unit_the_swarm_clock_is_its_own_clock(corpus):
+    a, b = make(corpus, spec(schedule_clock="swarm")), make(corpus, spec(schedule_clock="own"))
+    for learner in (a, b):
+        run_rounds(learner, CollectingExchange(SwarmView(1, 4 * BASE.data.batch_size)), n=3)
+    assert torch.equal(a.replica.snapshot()[0], b.replica.snapshot()[0])  # bit-identical: the same lr every step
+
+
+def test_updates_merged_after_the_rebase_window_wait_for_the_next_phase(corpus):
+    s = spec(rebase_window=0.5)
+    sender, receiver = make(corpus, s), make(corpus, s)
+    (update,) = [d.update for d in run_rounds(sender, CollectingExchange(SwarmView(2, 8 * s.data.batch_size)), n=1)]
+    phase = receiver.begin_phase()
+    receiver.run_inner(phase, 2)  # half the phase: the window is over
+    base = phase.base.clone()
+    assert receiver.replica.offer(update)[0].name == "MERGED"
+    receiver.run_inner(phase, 2)
+    assert phase.rebases == 0 and torch.equal(phase.base, base)  # not added to phi mid-phase...
+    assert phase.version_vector.get(sender.peer_id) == 0
+    nxt = receiver.begin_phase()  # ...but the next phase starts from the replica that holds it
+    assert torch.equal(flat_params(receiver.model).cpu(), receiver.replica.snapshot()[0])
+    assert nxt.version_vector.get(sender.peer_id) == 1
+
+
+def test_inside_the_window_a_merged_update_reaches_phi_at_the_next_step(corpus):
+    s = spec(rebase_window=1.0)
+    sender, receiver = make(corpus, s), make(corpus, s)
+    (update,) = [d.update for d in run_rounds(sender, CollectingExchange(SwarmView(2, 8 * s.data.batch_size)), n=1)]
+    phase = receiver.begin_phase()
+    receiver.run_inner(phase, 1)
+    assert receiver.replica.offer(update)[0].name == "MERGED"
+    receiver.run_inner(phase, 1)
+    assert phase.rebases == 1 and phase.version_vector.get(sender.peer_id) == 1
