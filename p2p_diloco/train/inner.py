@@ -1,7 +1,9 @@
 """The inner phase: H steps of AdamW on local data (DiLoCo, Douillard et al. 2023, Algorithm 1 lines 4-8).
 
-The AdamW state persists across inner phases, as in DiLoCo; the learning-rate schedule follows the peer's
-cumulative inner step so that a peer that joins late warms up on its own clock.
+The AdamW state persists across inner phases, as in DiLoCo. The learning-rate schedule runs on the clock the
+learner gives (by default the swarm's progress, `Learner.lr_clock`), but a unit always warms up over its own
+first `warmup_steps` steps: a peer that joins a swarm long past its warmup starts a fresh AdamW state, and its
+first steps must not be at the swarm's full lr.
 """
 
 from __future__ import annotations
@@ -14,10 +16,21 @@ import torch
 from p2p_diloco.config import InnerConfig
 
 
-def lr_at(step: int, cfg: InnerConfig) -> float:
-    """Linear warm-up to `lr`, then cosine down to `lr * min_lr_ratio` at `decay_steps`, flat after."""
+def lr_at(step: int, cfg: InnerConfig, own_step: int | None = None) -> float:
+    """Linear warm-up to `lr`, then cosine down to `lr * min_lr_ratio` at `decay_steps`, flat after. With
+    `own_step` (this unit's own cumulative steps, when `step` is another clock), never above the unit's own
+    warm-up."""
+    lr = _schedule(step, cfg)
+    return lr if own_step is None or own_step >= cfg.warmup_steps else min(lr, _warmup(own_step, cfg))
+
+
+def _warmup(step: int, cfg: InnerConfig) -> float:
+    return cfg.lr * (step + 1) / cfg.warmup_steps
+
+
+def _schedule(step: int, cfg: InnerConfig) -> float:
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return _warmup(step, cfg)
     span = max(1, cfg.decay_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.lr * cfg.min_lr_ratio
@@ -44,10 +57,10 @@ class InnerResult:
 
 
 def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               step: int, cfg: InnerConfig) -> float:
-    """One AdamW step on a batch at cumulative step `step`; returns the training loss."""
+               step: int, cfg: InnerConfig, own_step: int | None = None) -> float:
+    """One AdamW step on a batch at schedule step `step` (see `lr_at`); returns the training loss."""
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg)
+        group["lr"] = lr_at(step, cfg, own_step)
     _, loss = model(x, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -148,7 +148,8 @@ class Learner:
                     and self.replica.version_vector != phase.version_vector:
                 self._rebase(phase)
             x, y = (t.to(self.device) for t in self.sampler.batch(self.step))  # CPU batches, to the model
-            phase.losses.append(inner_step(self.model, self.optimizer, x, y, self.lr_clock(phase), cfg))
+            phase.losses.append(inner_step(self.model, self.optimizer, x, y, self.lr_clock(phase), cfg,
+                                           own_step=self.step))
             phase.samples += x.shape[0]
             phase.steps_done += 1
             self.step += 1
@@ -160,7 +161,7 @@ class Learner:
         progress as our replica knew it when the phase began (`swarm_rounds`, times H) plus this phase's steps.
         With equal units in lockstep the two are equal; a unit 4x slower than the others, or one that joined
         late, then decays its lr with the swarm instead of training at a high lr while the swarm has cooled
-        down (and a joiner skips the warmup the swarm did long ago)."""
+        down. A joiner still warms up over its own first steps (`lr_at`'s own_step)."""
         if self.spec.inner.schedule_clock == "own":
             return self.step
         rounds = swarm_rounds(phase.start_version_vector or phase.version_vector)

@@ -95,3 +95,21 @@ def test_inside_the_window_a_merged_update_reaches_phi_at_the_next_step(corpus):
     assert receiver.replica.offer(update)[0].name == "MERGED"
     receiver.run_inner(phase, 1)
     assert phase.rebases == 1 and phase.version_vector.get(sender.peer_id) == 1
+
+
+def test_a_joiner_takes_the_swarms_decay_but_warms_up_its_own_adamw(corpus):
+    from p2p_diloco.train.inner import lr_at
+
+    s = spec(schedule_clock="swarm", warmup_steps=4, decay_steps=100)
+    joiner = make(corpus, s)
+    phase = joiner.begin_phase()
+    phase.start_version_vector = VersionVector({"a": 9, "b": 9})  # the swarm is 9 rounds (36 steps) in
+    clock = joiner.lr_clock(phase)
+    assert clock == 36
+    # Its first step: the warm-up's first lr, below the swarm's decayed lr; past its own warm-up: the swarm's.
+    assert lr_at(clock, s.inner, own_step=0) == pytest.approx(s.inner.lr / 4)
+    assert s.inner.lr / 4 < lr_at(clock, s.inner)
+    assert lr_at(clock, s.inner, own_step=4) == lr_at(clock, s.inner) < lr_at(4, s.inner)  # decayed, not peak
+    # The optimizer really runs at that lr.
+    joiner.run_inner(phase, 1)
+    assert joiner.optimizer.param_groups[0]["lr"] == pytest.approx(s.inner.lr / 4)
