@@ -1,6 +1,8 @@
 """A long run: where does the gap between DiLoCo and data-parallel go after 100+ outer rounds, and at what H?
 
     python benchmarks/long_run.py --rounds 100 --inner-steps 10,20,50 --out benchmarks/results/long_run
+    python benchmarks/long_run.py --rounds 100 --inner-steps 50 --timing noise --timing-seeds 2,4 \
+        --methods async-new,async-diloco-step --out benchmarks/results/long_run_noise
 
 The simulator, the `test` preset, N=4 units, orderly timing, equal tokens for every method (rounds x N x H
 inner steps, the lr decayed over each unit's rounds x H steps): async p2p DiLoCo with the RunSpec's defaults,
@@ -21,14 +23,17 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_timing import METHODS, ORDERLY  # noqa: E402  (the same method definitions as the timing matrix)
+from async_timing import METHODS, NOISE, OLD_OUTER, ORDERLY  # noqa: E402  (the timing matrix's definitions)
 
 LONG_METHODS = {"async-new": METHODS["async-new"], "sync-diloco": METHODS["sync-diloco"],
-                "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}}}
+                "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
+                # DiLoCo's outer step with the swarm clock: which outer step wins a long run under real timing
+                "async-diloco-step": {"sim": "async", "outer": OLD_OUTER, "inner": {}}}
+DEFAULT_METHODS = "async-new,sync-diloco,sync-new,data-parallel"
 
 
 def run_one(job: tuple) -> dict:
-    name, method, H, rounds = job
+    name, method, H, rounds, timing, seed = job
     import torch
 
     torch.set_num_threads(1)
@@ -40,10 +45,13 @@ def run_one(job: tuple) -> dict:
         spec, inner=dataclasses.replace(spec.inner, inner_steps=H, decay_steps=rounds * H, **method["inner"]),
         outer=dataclasses.replace(spec.outer, **method["outer"]))
     total = rounds * 4 * H
-    sim = SimConfig(peers=4, total_steps=total, method=method["sim"], eval_every_s=rounds * H / 25, **ORDERLY)
+    over = NOISE if timing == "noise" else ORDERLY
+    sim = SimConfig(peers=4, total_steps=total, method=method["sim"], timing_seed=seed,
+                    eval_every_s=rounds * H * over["step_time_s"] / 25, **over)
     t0 = time.time()
     result = simulate(spec, sim)
-    return {"method": name, "H": H, "rounds": rounds, "loss": result.eval_loss, "wall_s": time.time() - t0,
+    return {"method": name, "H": H, "rounds": rounds, "timing": timing, "seed": seed, "loss": result.eval_loss,
+            "wall_s": time.time() - t0,
             "curve": [(p.tokens, p.loss) for p in result.curve]}
 
 
@@ -82,8 +90,9 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, H in zip(axes[0], hs):
         for r in (r for r in results if r["H"] == H):
             tokens, losses = zip(*r["curve"])
-            ax.plot(tokens, losses, label=f"{r['method']} ({r['loss']:.3f})")
-        ax.set_title(f"H={H}, {results[0]['rounds']} rounds, 4 units")
+            seed = f" seed {r['seed']}" if r["timing"] == "noise" else ""
+            ax.plot(tokens, losses, label=f"{r['method']}{seed} ({r['loss']:.3f})")
+        ax.set_title(f"H={H}, {results[0]['rounds']} rounds, 4 units, {results[0]['timing']} timing")
         ax.set_xlabel("tokens (whole swarm)")
         ax.set_ylabel("eval loss")
         ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
@@ -98,18 +107,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--inner-steps", default="20,50")
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"of {', '.join(LONG_METHODS)}")
+    ap.add_argument("--timing", choices=("orderly", "noise"), default="orderly",
+                    help="noise: async_timing.py's timing measured from real swarms")
+    ap.add_argument("--timing-seeds", default="0", help="comma-separated, for --timing noise")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_run"))
     args = ap.parse_args()
-    jobs = [(name, m, int(H), args.rounds) for H in args.inner_steps.split(",") for name, m in LONG_METHODS.items()]
+    jobs = [(name, LONG_METHODS[name], int(H), args.rounds, args.timing, int(seed))
+            for seed in args.timing_seeds.split(",") for H in args.inner_steps.split(",")
+            for name in args.methods.split(",")]
     print(f"# {time.strftime('%Y-%m-%d')} `{' '.join(sys.argv)}`", flush=True)
     with ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(run_one, jobs))
     for r in results:
-        dp = next(x["loss"] for x in results if x["H"] == r["H"] and x["method"] == "data-parallel")
-        r["vs_dp"] = r["loss"] / dp - 1
-        print(f"H={r['H']:>3} {r['method']:14s} {r['loss']:.4f}  vs DP {r['vs_dp'] * 100:+.2f}%  ({r['wall_s']:.0f} s)")
-    trend = gap_trend(results)
+        dp = next((x["loss"] for x in results if x["H"] == r["H"] and x["method"] == "data-parallel"), None)
+        r["vs_dp"] = r["loss"] / dp - 1 if dp else None
+        vs = f"vs DP {r['vs_dp'] * 100:+.2f}%" if dp else ""
+        print(f"H={r['H']:>3} seed {r['seed']} {r['method']:17s} {r['loss']:.4f}  {vs}  ({r['wall_s']:.0f} s)")
+    has_dp = any(r["method"] == "data-parallel" for r in results)
+    trend = gap_trend(results) if has_dp else []
     for t in trend:
         marks = "  ".join(f"r{m}: {g * 100:+.2f}%" for m, g in t["gap_vs_dp"].items())
         print(f"H={t['H']:>3} {t['method']:14s} gap to DP after  {marks}")
