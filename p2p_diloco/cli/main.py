@@ -49,15 +49,15 @@ class Progress:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from p2p_diloco.sim.plot import plot_curves
-    from p2p_diloco.sim.runner import simulate
-    from p2p_diloco.train.data import load_corpus
-
     config = load_config(SimulateConfig(spec=preset(args.preset)), args, "simulate").validate()
     spec, sim = config.spec, config.sim
     for path in (args.json_out, args.plot):  # fail now, not after the whole simulation
         if path and not Path(path).resolve().parent.is_dir():
             raise CliError(f"cannot write {path}: folder {Path(path).resolve().parent} does not exist")
+    from p2p_diloco.sim.plot import plot_curves  # torch only once the options are known to be good
+    from p2p_diloco.sim.runner import simulate
+    from p2p_diloco.train.data import load_corpus
+
     corpus = load_corpus(spec.data)
     print(f"corpus: {corpus.describe()}")
     methods = ["async", "sync", "dp"] if args.compare else [sim.method]

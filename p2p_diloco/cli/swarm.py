@@ -72,6 +72,11 @@ def join_config(args: argparse.Namespace) -> JoinConfig:
 def cmd_join(args: argparse.Namespace) -> int:
     import threading
 
+    try:
+        config = join_config(args)
+    except ValueError as err:  # every config's validate() raises a ValueError (ConfigError is one)
+        return _fail("join", err)
+    # torch and hivemind only now: a mistake in the options or the --config file answers in half a second, not 5.
     from p2p_diloco.config import ConfigError
     from p2p_diloco.net.statesync.client import StateSyncError
     from p2p_diloco.net.transport.node import NodeError
@@ -79,10 +84,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2p_diloco.peer.signals import install_stop_handlers
     from p2p_diloco.wire.identity import IdentityError
 
-    try:
-        config = join_config(args)
-    except ValueError as err:  # every config's validate() raises a ValueError (ConfigError is one)
-        return _fail("join", err)
     stop, finish = threading.Event(), threading.Event()
     install_stop_handlers(stop, finish)
     try:
@@ -115,15 +116,15 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     import asyncio
     import threading
 
-    from p2p_diloco.config import ConfigError
-    from p2p_diloco.net.transport.node import NodeError
-    from p2p_diloco.peer.signals import install_stop_handlers
-    from p2p_diloco.wire.identity import IdentityError
-
     try:
         config = load_config(BootstrapConfig(), args, "bootstrap").validate()
     except ValueError as err:
         return _fail("bootstrap", err)
+    from p2p_diloco.config import ConfigError  # the heavy imports after the options are known to be good
+    from p2p_diloco.net.transport.node import NodeError
+    from p2p_diloco.peer.signals import install_stop_handlers
+    from p2p_diloco.wire.identity import IdentityError
+
     stop = threading.Event()
     install_stop_handlers(stop)
     try:

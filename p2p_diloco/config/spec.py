@@ -119,8 +119,8 @@ class OuterConfig:
     """The outer step: sender-side Nesterov, compression with error feedback, weighting."""
 
     outer_lr: float = 1.4
-    """Outer learning rate (DiLoCo: 0.7 with mu 0.9; an async swarm's loss then depends on when updates land;
-    1.4 with mu 0.3 does not: BENCHMARKS.md "Async quality")."""
+    """Outer learning rate (DiLoCo: 0.7 with mu 0.9; an async swarm's loss then depends on when updates land,
+    with 1.4 and mu 0.3 half as much: BENCHMARKS.md "Async quality")."""
     momentum: float = 0.3
     """Outer momentum mu (DiLoCo: 0.9); 0 gives plain averaging."""
     nesterov: bool = True
