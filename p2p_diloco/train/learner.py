@@ -79,7 +79,7 @@ class Phase:
     losses: list[float] = field(default_factory=list)
     compute_s: float = 0.0
     rebases: int = 0
-    start_version_vector: VersionVector | None = None  # the replica's vector when the phase began (lr clock)
+    swarm_rounds: float = 0.0  # `swarm_rounds` of the replica's vector when the phase began (the lr clock's base)
 
     def result(self) -> InnerResult:
         return InnerResult(steps=self.steps_done, samples=self.samples,
@@ -134,7 +134,8 @@ class Learner:
     def begin_phase(self) -> Phase:
         theta, vv = self.replica.snapshot()
         load_flat_params(self.model, theta)
-        return Phase(base=theta, version_vector=vv, started_at=time.time(), start_version_vector=vv)
+        # The lr clock's base once per phase, not per inner step: it walks every sender the vector holds.
+        return Phase(base=theta, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv))
 
     def run_inner(self, phase: Phase, steps: int | None = None) -> InnerResult:
         """Run `steps` more inner steps (default: the rest of the phase). Between steps, take the updates the
@@ -164,8 +165,7 @@ class Learner:
         down. A joiner still warms up over its own first steps (`lr_at`'s own_step)."""
         if self.spec.inner.schedule_clock == "own":
             return self.step
-        rounds = swarm_rounds(phase.start_version_vector or phase.version_vector)
-        return int(rounds * self.spec.inner.inner_steps) + phase.steps_done
+        return int(phase.swarm_rounds * self.spec.inner.inner_steps) + phase.steps_done
 
     def _rebase(self, phase: Phase) -> None:
         """phi += theta_now - base: apply the remote updates merged since the last rebase to the local model."""

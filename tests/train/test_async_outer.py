@@ -39,7 +39,7 @@ def make(corpus, s) -> Learner:
 def test_the_swarm_clock_is_the_swarm_progress_of_the_phase_start(corpus):
     learner = make(corpus, spec(schedule_clock="swarm"))
     phase = learner.begin_phase()
-    phase.start_version_vector = VersionVector({"a": 4, "b": 4, "c": 1})  # a unit 4x slower than two others
+    phase.swarm_rounds = swarm_rounds(VersionVector({"a": 4, "b": 4, "c": 1}))  # a unit 4x slower than two others
     phase.steps_done = 2
     assert learner.lr_clock(phase) == int(33 / 9 * 4) + 2  # (16 + 16 + 1) / 9 rounds, times H, and this phase
     own = make(corpus, spec(schedule_clock="own"))
@@ -103,7 +103,7 @@ def test_a_joiner_takes_the_swarms_decay_but_warms_up_its_own_adamw(corpus):
     s = spec(schedule_clock="swarm", warmup_steps=4, decay_steps=100)
     joiner = make(corpus, s)
     phase = joiner.begin_phase()
-    phase.start_version_vector = VersionVector({"a": 9, "b": 9})  # the swarm is 9 rounds (36 steps) in
+    phase.swarm_rounds = swarm_rounds(VersionVector({"a": 9, "b": 9}))  # the swarm is 9 rounds (36 steps) in
     clock = joiner.lr_clock(phase)
     assert clock == 36
     # Its first step: the warm-up's first lr, below the swarm's decayed lr; past its own warm-up: the swarm's.
