@@ -27,6 +27,7 @@ from p2p_diloco.config.sim import SimConfig, SimulateConfig
 from p2p_diloco.config.spec import (
     AGGREGATIONS,
     CODECS,
+    MODEL_ARCHS,
     ConfigError,
     DataConfig,
     DefenceConfig,
@@ -39,6 +40,7 @@ from p2p_diloco.config.spec import (
 __all__ = [
     "AGGREGATIONS", "CODECS", "DEFAULT_BOOTSTRAP_PORT", "PRESETS", "AccessConfig", "AdmissionConfig",
     "BootstrapConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DefenceConfig", "GossipConfig",
-    "InnerConfig", "JoinConfig", "LoggingConfig", "ModelConfig", "NetworkConfig", "OuterConfig", "RateLimitConfig",
-    "RunSpec", "SimConfig", "SimulateConfig", "StateSyncConfig", "StatusConfig", "TrainingConfig", "preset",
+    "InnerConfig", "JoinConfig", "LoggingConfig", "MODEL_ARCHS", "ModelConfig", "NetworkConfig", "OuterConfig",
+    "RateLimitConfig", "RunSpec", "SimConfig", "SimulateConfig", "StateSyncConfig", "StatusConfig", "TrainingConfig",
+    "preset",
 ]

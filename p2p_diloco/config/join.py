@@ -23,6 +23,19 @@ class TrainingConfig:
     device: str = "auto"
     """Where the model trains: auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps. The replica and
     everything sent stay on the CPU in float32, so peers on different devices train one run together."""
+    precision: str = "auto"
+    """auto (bf16 on GPUs that have it, fp16 with a loss scaler on older GPUs, fp32 on the CPU), bf16, fp16 or
+    fp32: the forward and backward only; weights, AdamW state, the replica and what is sent stay float32."""
+    micro_batch: int = 0
+    """Sequences per forward/backward, gradients accumulated to the run's batch (0: the whole batch): lower it
+    when a card runs out of memory; the run's batch and the update stay the same."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them: less memory, ~30% more compute."""
+    compile: bool = False
+    """torch.compile the model for the inner steps: faster steps on GPUs after a minute of compiling."""
+    gpus: int = 0
+    """Run this unit as N processes (one per GPU) under torchrun: rank 0 speaks to the swarm, all train (0 or
+    1: one process; or start it with `torchrun --nproc-per-node N -m p2p_diloco join ...` yourself)."""
     torch_threads: int = 0
     """CPU threads for torch (0: torch's default; 1 when several peers share a machine)."""
     shard: int = -1
@@ -46,6 +59,10 @@ class TrainingConfig:
         _require(self.linger_s >= 0 and self.finish_phase_within_s >= 0,
                  "linger_s and finish_phase_within_s must be >= 0")
         _require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
+        _require(self.precision in ("auto", "bf16", "fp16", "fp32"),
+                 f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
+        _require(self.micro_batch >= 0, f"micro_batch must be >= 0, got {self.micro_batch}")
+        _require(self.gpus >= 0, f"gpus must be >= 0, got {self.gpus}")
         return self
 
 

@@ -27,10 +27,22 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+MODEL_ARCHS = ("gpt", "llama", "qwen2", "mistral", "gpt2")
+"""`model.arch`: the built-in byte-level GPT, or a Hugging Face causal-LM family (train/hf_model.py)."""
+
+
+def is_model_path(arch: str) -> bool:
+    """Whether `--model` names a file or folder rather than a family."""
+    return "/" in arch or arch.endswith(".json") or arch in (".", "..")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only byte-level transformer (nanoGPT-style)."""
+    """The model every peer trains: the built-in byte-level GPT (nanoGPT-style) or a Hugging Face causal LM."""
 
+    arch: str = "gpt"
+    """gpt (the built-in byte-level GPT), or a Hugging Face family built with transformers: llama, qwen2,
+    mistral, gpt2. `join --model` also takes a config.json or a local model folder (its weights are the start)."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -38,18 +50,41 @@ class ModelConfig:
     n_embd: int = 128
     """Width of the residual stream."""
     block_size: int = 128
-    """Context length in bytes (tokens)."""
+    """Context length in tokens (bytes for the built-in GPT)."""
     vocab_size: int = 256
-    """Byte-level vocabulary; 256 covers every byte."""
+    """Vocabulary size (256: bytes); a token dataset sets it to its tokenizer's."""
     dropout: float = 0.0
     """Dropout probability (0 for short runs)."""
+    n_kv_head: int = 0
+    """Key/value heads of grouped-query attention (0: n_head); Hugging Face families only."""
+    ffn_hidden: int = 0
+    """MLP width (0: the family's default: 4 x n_embd for gpt/gpt2, 8/3 x n_embd rounded up to 64 otherwise)."""
+    hf_config: str = ""
+    """The whole Hugging Face config as canonical JSON, when the model came from a config.json or a model folder
+    (it then decides the architecture; block_size still sets the training context)."""
+    weights_sha256: str = ""
+    """sha256 of the starting weights when the run starts from a model folder's weights (empty: random init
+    from the run's seed); every peer needs those weights (`--model FOLDER`)."""
 
     def validate(self) -> None:
+        # A path (config.json or model folder) is allowed here; train/resolve.py turns it into arch + hf_config
+        # before the spec is hashed or published.
+        _require(self.arch in MODEL_ARCHS or is_model_path(self.arch),
+                 f"model.arch must be one of {', '.join(MODEL_ARCHS)}, a config.json or a model folder, "
+                 f"got {self.arch!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
         _require(self.n_embd % self.n_head == 0,
                  f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        _require(self.n_kv_head >= 0 and (self.n_kv_head == 0 or self.n_head % self.n_kv_head == 0),
+                 f"model.n_kv_head must be 0 or divide model.n_head ({self.n_head}), got {self.n_kv_head}")
+        _require(self.ffn_hidden >= 0, f"model.ffn_hidden must be >= 0, got {self.ffn_hidden}")
+        _require(self.arch != "gpt" or not (self.hf_config or self.weights_sha256 or self.n_kv_head),
+                 "model.hf_config, model.weights_sha256 and model.n_kv_head need a Hugging Face model.arch")
+        _require(self.arch != "gpt" or self.vocab_size <= 256,
+                 f"the built-in byte-level gpt has at most 256 tokens, got model.vocab_size {self.vocab_size}; "
+                 f"use --model llama (or qwen2, mistral, gpt2) for a tokenized dataset")
 
 
 @dataclass(frozen=True)
@@ -57,7 +92,14 @@ class DataConfig:
     """Where the training text comes from and how it is split."""
 
     corpus: str = "stdlib"
-    """'stdlib' (the running Python's standard-library sources, no download) or a path to a text file or folder."""
+    """'stdlib' (the running Python's standard-library sources as bytes, no download), 'stdlib-bpe' (the same,
+    tokenized with a BPE tokenizer made from them at set-up), a folder made by `p2p-diloco data prepare`, or a
+    path to a text file or folder (bytes)."""
+    fingerprint: str = ""
+    """A token dataset's fingerprint (its manifest's; set when the dataset is loaded): peers with other data are
+    refused."""
+    tokenizer_fingerprint: str = ""
+    """A token dataset's tokenizer fingerprint (set when the dataset is loaded)."""
     batch_size: int = 8
     """Sequences per inner step, per peer."""
     eval_fraction: float = 0.05

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from p2p_diloco.config import ModelConfig
 
@@ -80,6 +81,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf, 2017): one matrix both embeds bytes and scores them.
         self.lm_head.weight = self.transformer.wte.weight
+        self.checkpointing = False
         self.init_weights(generator)
 
     @torch.no_grad()
@@ -112,7 +114,8 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            # Activation checkpointing: keep only each block's input, recompute the rest in backward.
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits, None
@@ -123,13 +126,21 @@ class GPT(nn.Module):
         """Number of distinct parameters (the tied head counted once)."""
         return sum(p.numel() for p in self.parameters())
 
+    def set_activation_checkpointing(self, on: bool) -> None:
+        self.checkpointing = on
 
-def build_model(config: ModelConfig, seed: int) -> GPT:
-    """The run's initial model: bit-identical parameters for equal (config, seed), on CPU.
+
+def build_model(config: ModelConfig, seed: int) -> nn.Module:
+    """The run's initial model: bit-identical parameters for equal (config, seed), on CPU. The built-in GPT for
+    arch "gpt"; a Hugging Face causal LM behind the same interface otherwise (train/hf_model.py).
 
     The weights come from a local generator; constructing the nn.Modules draws from the global RNG for
     their default init (which we then overwrite), so we fork it to leave the caller's RNG untouched.
     """
+    if config.arch != "gpt":
+        from p2p_diloco.train.hf_model import build_hf_model  # transformers only when a run asks for it
+
+        return build_hf_model(config, seed)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         return GPT(config, generator=generator)
