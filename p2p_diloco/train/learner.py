@@ -38,11 +38,13 @@ import torch
 from p2p_diloco.config import RunSpec
 from p2p_diloco.sync.replica import MergeOutcome, Replica
 from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.train.compute import Compute
 from p2p_diloco.train.data import Corpus, ShardSampler, evaluate
 from p2p_diloco.train.device import resolve_device
-from p2p_diloco.train.inner import InnerResult, inner_step, make_inner_optimizer
+from p2p_diloco.train.inner import InnerResult, inner_step, lr_at, make_inner_optimizer
 from p2p_diloco.train.model import build_model, flat_params, load_flat_params
 from p2p_diloco.train.outer import OuterState, outer_update, pseudo_gradient, update_weight
+from p2p_diloco.train.unit import SoloUnit
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, make_update
 from p2p_diloco.wire.identity import Identity
@@ -59,6 +61,18 @@ def swarm_rounds(vv: VersionVector) -> float:
     counts = [c for _, c in vv.items() if c > 0]
     total = sum(counts)
     return sum(c * c for c in counts) / total if total else 0.0
+
+
+def make_sampler(corpus: Corpus | Any, spec: RunSpec, peer_id: str, *, shard: int, num_shards: int):
+    """The unit's data stream: a byte corpus is cut into `num_shards` shards (train/data.py); a token dataset is
+    walked from a start drawn from the PeerID (train/tokens.py WalkSampler)."""
+    if getattr(corpus, "tokenizer_fingerprint", None) is not None:
+        from p2p_diloco.train.tokens import WalkSampler
+
+        return WalkSampler(corpus.train, peer_id=peer_id, block_size=spec.model.block_size,
+                           batch_size=spec.data.batch_size, seed=spec.seed, inner_steps=spec.inner.inner_steps)
+    return ShardSampler(corpus.train, shard=shard, num_shards=num_shards, block_size=spec.model.block_size,
+                        batch_size=spec.data.batch_size, seed=spec.seed)
 
 
 @dataclass
@@ -98,8 +112,9 @@ class SwarmView:
 class Learner:
     """One learner unit. Not thread-safe itself; only the replica is shared with the network thread."""
 
-    def __init__(self, spec: RunSpec, identity: Identity, corpus: Corpus, *, shard: int, num_shards: int,
-                 replica_state: tuple[torch.Tensor, VersionVector] | None = None, device: str = "cpu"):
+    def __init__(self, spec: RunSpec, identity: Identity, corpus: Corpus | Any, *, shard: int, num_shards: int,
+                 replica_state: tuple[torch.Tensor, VersionVector] | None = None, device: str = "cpu",
+                 compute: Compute | None = None, unit: SoloUnit | None = None):
         self.spec = spec.validate()
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -107,9 +122,18 @@ class Learner:
         torch.manual_seed(spec.seed)  # dropout and any other global-RNG use start from the run's seed
         self.model = build_model(spec.model, spec.seed)  # on the CPU: the same theta on every peer
         theta = flat_params(self.model)
-        # float32 on the device too (no autocast): simple, and close to a CPU peer's numbers. bf16 autocast on
-        # GPUs is a later optimisation.
+        # The parameters stay float32 on the device (master weights); `compute` runs the forward and backward in
+        # bf16/fp16 autocast where asked (train/compute.py).
         self.model.to(self.device)
+        self.compute = compute or Compute(device=self.device)
+        self.compute.prepare(self.model)
+        self.unit = unit or SoloUnit()  # a torchrun unit of several processes: train/unit.py
+        if self.unit.world > 1:
+            self.unit.agree(spec.spec_hash(), "the run's spec")
+            self.unit.check_batch(spec.data.batch_size)
+        # DDP over the unit's processes (the model itself when solo), compiled with --compile.
+        self.train_model = self.compute.compiled(self.unit.wrap(self.model))
+        self._params_changed = self._optimizer_changed = False  # to send to the unit's other processes
         self.numel = theta.numel()
         self.codec = get_codec(spec.outer.codec, spec.outer.codec_block)  # the peer's one codec: shared below
         self.replica = Replica.from_spec(spec, theta, codec=self.codec)
@@ -118,9 +142,7 @@ class Learner:
         self.spec_hash = spec.spec_hash()
         self.optimizer = make_inner_optimizer(self.model, spec.inner)  # after the move: AdamW state on the device
         self.outer_state = OuterState.zeros(self.numel)
-        self.sampler = ShardSampler(corpus.train, shard=shard, num_shards=num_shards,
-                                    block_size=spec.model.block_size, batch_size=spec.data.batch_size,
-                                    seed=spec.seed)
+        self.sampler = make_sampler(corpus, spec, self.peer_id, shard=shard, num_shards=num_shards)
         self.step = 0  # cumulative inner steps: the schedule's clock and the data position
         self.last_seq = 0  # the highest seq this identity has signed (in this run, across restarts)
         # Called with each signed update before it can be seen (merged into the replica, which the snapshot
@@ -134,6 +156,7 @@ class Learner:
     def begin_phase(self) -> Phase:
         theta, vv = self.replica.snapshot()
         load_flat_params(self.model, theta)
+        self._params_changed = True
         # The lr clock's base once per phase, not per inner step: it walks every sender the vector holds.
         return Phase(base=theta, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv))
 
@@ -148,10 +171,15 @@ class Learner:
             if phase.steps_done < cfg.rebase_window * cfg.inner_steps \
                     and self.replica.version_vector != phase.version_vector:
                 self._rebase(phase)
-            x, y = (t.to(self.device) for t in self.sampler.batch(self.step))  # CPU batches, to the model
-            phase.losses.append(inner_step(self.model, self.optimizer, x, y, self.lr_clock(phase), cfg,
-                                           own_step=self.step))
-            phase.samples += x.shape[0]
+            x, y = self.sampler.batch(self.step)  # CPU batches; the unit's rows of it go to the device
+            lr = lr_at(self.lr_clock(phase), cfg, own_step=self.step)
+            rows = self.unit.lead_step(self.model, self.optimizer, x, y, lr, params_changed=self._params_changed,
+                                       optimizer_changed=self._optimizer_changed)
+            self._params_changed = self._optimizer_changed = False
+            xd, yd = (t.to(self.device) for t in rows)
+            phase.losses.append(inner_step(self.train_model, self.optimizer, xd, yd, 0, cfg, compute=self.compute,
+                                           lr=lr, no_sync=self.unit.no_sync(self.train_model)))
+            phase.samples += x.shape[0]  # the unit's whole batch, over all its processes
             phase.steps_done += 1
             self.step += 1
         phase.compute_s += time.perf_counter() - t0
@@ -172,6 +200,7 @@ class Learner:
         theta, vv = self.replica.snapshot()
         moved = (theta - phase.base).to(self.device)  # the difference on the CPU, where theta lives
         load_flat_params(self.model, flat_params(self.model).add_(moved))
+        self._params_changed = True
         phase.base, phase.version_vector = theta, vv
         phase.rebases += 1
 
@@ -249,6 +278,7 @@ class Learner:
             raise ValueError(f"inner optimizer state for parameters {sorted(set(inner) - known)} this model lacks")
         self.outer_state.load_state_dict({"momentum": tensors["outer.momentum"], "error": tensors["outer.error"]})
         self.optimizer.load_state_dict({"state": inner, "param_groups": param_groups})  # moved to the device
+        self._optimizer_changed = True
         self.replica.load(tensors["theta"].clone(), vv)
         self.step = step
         self.last_seq = max(last_seq, vv.get(self.peer_id))

@@ -1,0 +1,196 @@
+"""A learner unit of several processes: `torchrun --nproc-per-node N -m p2p_diloco join ...` (or `join --gpus N`).
+
+Rank 0 is the unit: it alone speaks to the swarm (DHT, gossip, state sync, checkpoints), holds the replica and
+the outer state, and runs the round loop. Ranks 1..N-1 only train: `follow` runs inner steps as rank 0 tells
+them. The N processes are one data-parallel (DDP) model: each inner step, rank 0 broadcasts one command (the lr,
+whether the parameters or the AdamW state changed) and the unit's batch; every rank takes its rows
+(`batch_size / N` each), DDP averages the gradients, and every rank takes the same AdamW step from the same
+parameters. So phi is equal on every rank, and the update rank 0 computes from it is the update a one-process
+unit would compute from the same batches (up to the order of float additions).
+
+Rank 0 sends the parameters (flat, float32) after it changed them: the start of a phase (phi <- theta) and a
+rebase; it sends its AdamW state after loading a checkpoint. Nothing else crosses between ranks: the replica, the
+version vector and everything on the wire stay on rank 0. The data needs no agreement either: the batch comes
+from rank 0's sampler.
+
+`SoloUnit` is the one-process unit (every call a no-op); the learner always goes through one of the two.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from p2p_diloco.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+STEP, STOP = 1.0, 0.0
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+"""How long a training rank waits for rank 0's next command: rank 0 may state-sync, checkpoint or linger between
+phases. A rank 0 that dies ends the wait sooner: its sockets close and torchrun stops the whole unit."""
+
+
+def unit_device(name: str) -> str:
+    """The device this process trains on: `--device` resolved (train/device.py), and under torchrun a bare
+    "cuda" (or auto on a GPU machine) becomes this process's own GPU, cuda:LOCAL_RANK."""
+    from p2p_diloco.train.device import resolve_device
+
+    device = resolve_device(name)
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        resolve_device(device)  # fewer GPUs than processes: a clear error
+    return device
+
+
+def is_follower() -> bool:
+    """A training-only rank (> 0) of a torchrun unit."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
+
+
+class SoloUnit:
+    """A unit of one process."""
+
+    rank, world = 0, 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def check_batch(self, batch_size: int) -> None:
+        pass
+
+    def lead_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                  lr: float, *, params_changed: bool, optimizer_changed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, y
+
+    def no_sync(self, model: nn.Module) -> Callable | None:
+        return None
+
+    def stop(self) -> None:
+        pass
+
+
+class RankGroup(SoloUnit):
+    """A unit of `world` processes started by torchrun (its environment variables say which rank this is)."""
+
+    def __init__(self, device: str) -> None:
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.device = device
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        self.comm = torch.device(device) if backend == "nccl" else torch.device("cpu")
+        self.stopped = False
+
+    @staticmethod
+    def from_env(device: str) -> SoloUnit:
+        """A RankGroup under torchrun with WORLD_SIZE > 1, else the solo unit."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return SoloUnit()
+        return RankGroup(device)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # DDP broadcasts rank 0's parameters at construction: every rank starts equal.
+        ids = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def check_batch(self, batch_size: int) -> None:
+        if batch_size % self.world:
+            raise ConfigError(f"data.batch_size {batch_size} does not split over the unit's {self.world} processes; "
+                              f"use a batch size divisible by {self.world} (each process trains batch/{self.world})")
+
+    def agree(self, value: str, what: str) -> None:
+        """Check that every rank holds the same `value` (e.g. the spec's hash); a clear error otherwise."""
+        values: list = [None] * self.world
+        dist.all_gather_object(values, value)
+        if len(set(values)) > 1:
+            raise ConfigError(f"the ranks of this unit disagree on {what}: {values}; start them with the same options")
+
+    def lead_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                  lr: float, *, params_changed: bool, optimizer_changed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0: tell the others to take a step (with what changed), send the batch; this rank's rows."""
+        command = torch.tensor([STEP, float(params_changed), float(optimizer_changed), x.shape[0], x.shape[1], lr],
+                               dtype=torch.float64, device=self.comm)
+        dist.broadcast(command, 0)
+        self._share_state(model, optimizer, params_changed, optimizer_changed)
+        batch = torch.stack([x, y]).to(self.comm)
+        dist.broadcast(batch, 0)
+        return self._rows(batch)
+
+    def follow_step(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        """Ranks > 0: the next command: None at stop, else (lr, this rank's rows)."""
+        command = torch.empty(6, dtype=torch.float64, device=self.comm)
+        dist.broadcast(command, 0)
+        cmd, params_changed, optimizer_changed, b, t, lr = command.tolist()
+        if cmd == STOP:
+            return None
+        self._share_state(model, optimizer, bool(params_changed), bool(optimizer_changed))
+        batch = torch.empty((2, int(b), int(t)), dtype=torch.long, device=self.comm)
+        dist.broadcast(batch, 0)
+        return lr, self._rows(batch)
+
+    def no_sync(self, model: nn.Module) -> Callable | None:
+        model = getattr(model, "_orig_mod", model)  # under torch.compile
+        return model.no_sync if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+    def stop(self) -> None:
+        if self.rank == 0 and not self.stopped and dist.is_initialized():
+            self.stopped = True
+            dist.broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0], dtype=torch.float64, device=self.comm), 0)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+
+    def _rows(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = batch.shape[1] // self.world
+        mine = batch[:, self.rank * rows:(self.rank + 1) * rows].to(self.device)
+        return mine[0], mine[1]
+
+    def _share_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, params: bool, opt: bool) -> None:
+        from p2p_diloco.train.model import flat_params, load_flat_params
+
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        if params:
+            flat = flat_params(module).to(self.comm)
+            dist.broadcast(flat, 0)
+            if self.rank:
+                load_flat_params(module, flat)
+        if opt:
+            state = [optimizer.state_dict() if self.rank == 0 else None]
+            if self.rank == 0:  # tensors to the CPU: a pickled CUDA tensor would land on rank 0's device
+                state[0]["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                                     for i, s in state[0]["state"].items()}
+            dist.broadcast_object_list(state, 0)
+            if self.rank:
+                optimizer.load_state_dict(state[0])
+
+
+def follow(spec, unit: RankGroup, compute, device: str) -> int:
+    """Ranks > 0 of a unit: build the model, then take inner steps as rank 0 says until it says stop.
+    Returns the number of steps taken."""
+    from p2p_diloco.train.inner import inner_step, make_inner_optimizer
+    from p2p_diloco.train.model import build_model
+
+    unit.agree(spec.spec_hash(), "the run's spec")
+    unit.check_batch(spec.data.batch_size)
+    model = build_model(spec.model, spec.seed).to(device)
+    compute.prepare(model)
+    ddp = compute.compiled(unit.wrap(model))
+    optimizer = make_inner_optimizer(model, spec.inner)
+    steps = 0
+    while (order := unit.follow_step(ddp, optimizer)) is not None:
+        lr, (x, y) = order
+        inner_step(ddp, optimizer, x, y, 0, spec.inner, compute=compute, lr=lr, no_sync=unit.no_sync(ddp))
+        steps += 1
+    logger.info("rank %d: rank 0 said stop after %d inner steps", unit.rank, steps)
+    return steps
