@@ -56,9 +56,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise CliError(f"cannot write {path}: folder {Path(path).resolve().parent} does not exist")
     from p2p_diloco.sim.plot import plot_curves  # torch only once the options are known to be good
     from p2p_diloco.sim.runner import simulate
-    from p2p_diloco.train.data import load_corpus
+    from p2p_diloco.train.resolve import load_training_data, resolve_spec
 
-    corpus = load_corpus(spec.data)
+    spec = resolve_spec(spec)  # --model PATH, a token dataset's vocabulary and fingerprints
+    corpus = load_training_data(spec.data, block_size=spec.model.block_size)
     print(f"corpus: {corpus.describe()}")
     methods = ["async", "sync", "dp"] if args.compare else [sim.method]
     results = []
@@ -140,12 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     from p2p_diloco.cli.plot import add_plot_command  # plot: draw peers' JSON logs as PNGs
 
     add_plot_command(sub)
+    from p2p_diloco.cli.data import add_data_command  # data prepare: token shards and a tokenizer
+
+    add_data_command(sub)
+    from p2p_diloco.cli.export import add_export_commands  # export, generate: a folder transformers loads
+
+    add_export_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `join --gpus N` runs the same command under torchrun
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

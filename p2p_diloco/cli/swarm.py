@@ -8,6 +8,7 @@ package (config/), through the one generator (cli/args.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,17 @@ def cmd_join(args: argparse.Namespace) -> int:
         config = join_config(args)
     except ValueError as err:  # every config's validate() raises a ValueError (ConfigError is one)
         return _fail("join", err)
+    if config.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_unit(config.training.gpus, args.argv)
     # torch and hivemind only now: a mistake in the options or the --config file answers in half a second, not 5.
     from p2p_diloco.config import ConfigError
+    from p2p_diloco.train.unit import is_follower
+
+    if is_follower():  # a training-only rank of a torchrun unit: no network, rank 0 speaks for the unit
+        try:
+            return _follow(config)
+        except ConfigError as err:
+            return _fail("join", err)
     from p2p_diloco.net.statesync.client import StateSyncError
     from p2p_diloco.net.transport.node import NodeError
     from p2p_diloco.peer.process import Peer
@@ -90,6 +100,40 @@ def cmd_join(args: argparse.Namespace) -> int:
         return Peer(config, stop=stop, finish=finish).run()
     except (ConfigError, IdentityError, NodeError, StateSyncError) as err:  # spec mismatch, corpus, key, network,
         return _fail("join", err)  # and a refusal (AccessDenied: not allowed in this run, and why)
+
+
+def _launch_unit(gpus: int, argv: list[str]) -> int:
+    """`join --gpus N`: the same command as N processes under torchrun (one unit; rank 0 speaks to the swarm)."""
+    import subprocess
+    import sys
+
+    rest = argv[argv.index("join") + 1:] if "join" in argv else argv
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               "-m", "p2p_diloco", "join", *rest]
+    print("starting a unit of {} processes: {}".format(gpus, " ".join(command[2:])), flush=True)
+    return subprocess.call(command)
+
+
+def _follow(config: Any) -> int:
+    import torch
+
+    from p2p_diloco.train.compute import Compute
+    from p2p_diloco.train.resolve import resolve_spec
+    from p2p_diloco.train.unit import RankGroup, follow, unit_device
+
+    cfg = config.training
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    spec = resolve_spec(config.spec)
+    device = unit_device(cfg.device)
+    compute = Compute(device=device, precision=cfg.precision, micro_batch=cfg.micro_batch,
+                      activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+    unit = RankGroup(device)
+    try:
+        follow(spec, unit, compute, device)
+    finally:
+        unit.close()
+    return 0
 
 
 def with_allow_list(spec: Any, path: str) -> Any:

@@ -25,6 +25,7 @@ the peer lingers, then leaves.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -47,13 +48,15 @@ class Peer:
     def __init__(self, config: JoinConfig, *, stop: threading.Event | None = None,
                  finish: threading.Event | None = None, out: Callable[[str], None] | None = None) -> None:
         from p2p_diloco.net.admission.policy import NetPolicy
-        from p2p_diloco.train.device import resolve_device  # imports torch: here, not at import time
+        from p2p_diloco.train.resolve import resolve_spec  # imports torch: here, not at import time
+        from p2p_diloco.train.unit import unit_device
 
-        self.config = config.validate()
-        self.spec = config.spec
+        # --model PATH and a token dataset's facts go into the spec before it is hashed, published or compared.
+        self.config = dataclasses.replace(config, spec=resolve_spec(config.spec)).validate()
+        self.spec = self.config.spec
         from p2p_diloco.peer.sinks import check_available
 
-        resolve_device(config.training.device)  # a missing GPU fails here, before the node starts
+        self.device = unit_device(config.training.device)  # a missing GPU fails here, before the node starts
         check_available(config.logging)  # so does a TensorBoard or wandb sink whose package is missing
         # access (allow list, run secret) and rate limits
         self.policy = NetPolicy(config.admission.access, config.admission.rate)
@@ -116,16 +119,21 @@ class Peer:
     def _build_learner(self, identity: Any) -> None:
         import torch
 
-        from p2p_diloco.train.data import eval_batches, load_corpus
+        from p2p_diloco.train.compute import Compute
+        from p2p_diloco.train.data import eval_batches
         from p2p_diloco.train.learner import Learner
+        from p2p_diloco.train.resolve import load_training_data
+        from p2p_diloco.train.unit import RankGroup
 
         if self.config.training.torch_threads:
             torch.set_num_threads(self.config.training.torch_threads)
         cfg = self.config.training
         shard = cfg.shard if cfg.shard >= 0 else shard_for(identity.peer_id, cfg.num_shards)
-        corpus = load_corpus(self.spec.data, block_size=self.spec.model.block_size)
+        corpus = load_training_data(self.spec.data, block_size=self.spec.model.block_size)
+        compute = Compute(device=self.device, precision=cfg.precision, micro_batch=cfg.micro_batch,
+                          activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
         self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
-                               device=cfg.device)
+                               device=self.device, compute=compute, unit=RankGroup.from_env(self.device))
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,
                                      batch_size=self.spec.data.batch_size, num_batches=cfg.eval_batches)
         self.samples_per_update = self.spec.inner.inner_steps * self.spec.data.batch_size
@@ -135,7 +143,11 @@ class Peer:
         how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
         self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")
         self.log.write("start", peer_id=identity.peer_id, shard=shard, num_shards=cfg.num_shards,
-                       spec_hash=self.spec.spec_hash(), numel=self.learner.numel, device=self.learner.device)
+                       spec_hash=self.spec.spec_hash(), numel=self.learner.numel, device=self.learner.device,
+                       precision=compute.precision, processes=self.learner.unit.world)
+        self.out(f"model {self.spec.model.arch}: {self.learner.numel / 1e6:.2f}M parameters on {self.device} "
+                 f"({compute.precision}" + (f", a unit of {self.learner.unit.world} processes" if
+                                            self.learner.unit.world > 1 else "") + ")")
         self.report = PeerReport(self.spec, self.learner, self.network, eval_set=self.eval_set, log=self.log,
                                  out=self.out, checkpoints=self.checkpoints)
 
@@ -252,6 +264,8 @@ class Peer:
             except Exception as e:
                 logger.warning("node shutdown failed error=%r", e)
             loop.close()
+            if self.learner is not None:
+                self.learner.unit.stop()  # the unit's other processes (torchrun) end with rank 0
             self._close_views()
             self.log.close()
             if self.checkpoints is not None:
