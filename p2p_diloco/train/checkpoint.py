@@ -7,7 +7,7 @@ out):
     ckpt-00000007/                one checkpoint, committed by a directory rename
         state.safetensors         theta, outer m and e, inner AdamW state, CPU RNG
         manifest.json             {"body": {format, format_version, number, created_at, files: {name: {bytes,
-                                  sha256}}, meta: {round, version_vector, last_seq, data position, ...}},
+                                  sha256}}, meta: {round, version_vector, last_seq, data position, spec, ...}},
                                   "sha256": digest of the canonical JSON of body}
     journal/000000000042.update   every update this peer signed since the oldest kept checkpoint, encoded
 
@@ -362,6 +362,9 @@ class StateManager:
         tensors, meta = learner.state_dict()
         meta.update(round=round, step=learner.step, run_id=self.run_id, spec_hash=self.spec_hash,
                     peer_id=self.peer_id)
+        spec = getattr(learner, "spec", None)
+        if spec is not None:  # the run's spec, so `p2p-diloco export` rebuilds the model from a checkpoint alone
+            meta["spec"] = spec.to_dict()
         path = self.store.save(tensors, meta)
         kept = self.store.prune()
         own = [int(body["meta"]["version_vector"].get(self.peer_id, 0)) for body in kept]
