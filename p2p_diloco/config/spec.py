@@ -314,6 +314,11 @@ def _diff(a: dict, b: dict, prefix: str) -> list[str]:
     out = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key), b.get(key)
+        if key == "hf_config" and va and vb and va != vb:  # name the field inside the model's config, not 2 KB of it
+            try:
+                va, vb = json.loads(va), json.loads(vb)
+            except ValueError:
+                pass
         if isinstance(va, dict) and isinstance(vb, dict):
             out += _diff(va, vb, f"{prefix}{key}.")
         elif va != vb:

@@ -140,8 +140,13 @@ class Peer:
         self.network.static_record = {"shard": shard, "corpus": corpus.fingerprint,
                                       "samples_per_update": self.samples_per_update}
         self.out(f"peer {identity.peer_id}")
-        how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
-        self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")
+        n_chunks = getattr(self.learner.sampler, "n_chunks", None)
+        if n_chunks is not None:  # a token dataset: walked in an order drawn from the PeerID (train/tokens.py)
+            self.out(f"data: {n_chunks} chunks of a phase each, walked in an order drawn from the PeerID; "
+                     f"{corpus.describe()}")
+        else:
+            how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
+            self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")
         self.log.write("start", peer_id=identity.peer_id, shard=shard, num_shards=cfg.num_shards,
                        spec_hash=self.spec.spec_hash(), numel=self.learner.numel, device=self.learner.device,
                        precision=compute.precision, processes=self.learner.unit.world)

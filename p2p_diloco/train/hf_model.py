@@ -143,12 +143,24 @@ def build_hf_model(cfg: ModelConfig, seed: int) -> HFCausalLM:
 
 # ---- configs and weights from local files ----------------------------------------------------------------------
 
+def cached_hub_folder(name: str) -> Path | None:
+    """The local folder of a Hugging Face hub model `org/name` when the hub cache holds it (no network)."""
+    if Path(name).expanduser().exists() or name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # not cached, or not a repo id: the caller says what was looked for
+        return None
+
+
 def canonical_config(path: Path) -> tuple[str, dict]:
     """(model_type, the config as a dict without its volatile keys) of a config.json or a model folder."""
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise ConfigError(f"--model {path}: no config.json there; pass llama, qwen2, mistral, gpt2, a config.json "
-                          f"or a local model folder")
+        raise ConfigError(f"--model {path}: no config.json there (nor a hub model of that name in the local cache); "
+                          f"pass llama, qwen2, mistral, gpt2, a config.json or a local model folder")
     try:
         d = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -173,7 +185,7 @@ def weights_digest(folder: Path) -> str:
 def resolve_model_path(path: str) -> dict:
     """The ModelConfig fields for `--model PATH`: arch, hf_config, and weights_sha256 for a folder with weights
     (which this process then loads from there). Sizes come from the config, so they are set too."""
-    p = Path(path).expanduser()
+    p = cached_hub_folder(path) or Path(path).expanduser()  # a hub name works when the local cache has it
     model_type, d = canonical_config(p)
     fields: dict = {"arch": model_type, "hf_config": json.dumps({"model_type": model_type, **d}, sort_keys=True,
                                                                 separators=(",", ":"))}

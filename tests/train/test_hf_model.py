@@ -105,3 +105,29 @@ def test_flat_params_round_trip_through_an_hf_model():
     theta = flat_params(model)
     load_flat_params(model, theta * 2)
     assert torch.equal(flat_params(model), theta * 2)
+
+
+def test_a_cached_hub_name_resolves_offline(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = cache / "models--acme--tiny-llama" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (cache / "models--acme--tiny-llama" / "refs").mkdir()
+    (cache / "models--acme--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    build_model(ModelConfig(arch="llama", **TINY), 0).hf.config.to_json_file(snapshot / "config.json")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # read at call time
+    spec = resolve_spec(RunSpec(model=ModelConfig(arch="acme/tiny-llama", block_size=16)))
+    assert spec.model.arch == "llama" and spec.model.n_layer == 2
+    with pytest.raises(ConfigError, match="nor a hub model of that name in the local cache"):
+        resolve_spec(RunSpec(model=ModelConfig(arch="acme/not-cached")))
+
+
+def test_a_spec_mismatch_names_the_field_inside_the_model_config():
+    a = resolve_spec(RunSpec(model=ModelConfig(arch="llama", **TINY)))
+    b = dataclasses.replace(a.model, hf_config=json.dumps({"model_type": "llama", "hidden_size": 64}))
+    c = dataclasses.replace(a.model, hf_config=json.dumps({"model_type": "llama", "hidden_size": 32}))
+    diff = RunSpec(model=b).differing_fields(RunSpec(model=c))
+    assert diff == ["model.hf_config.hidden_size: 64 != 32"]

@@ -1,9 +1,20 @@
-"""Run by tests/train/test_unit.py under torchrun (or alone): one learner unit trains two phases on the test preset
-(with a mid-phase rebase between them) and rank 0 writes its updates' decoded payloads to OUT (safetensors)."""
+"""A learner unit that trains a few phases and writes its updates: run by tests/train/test_unit.py and
+benchmarks/bench_unit.py, under torchrun (a unit of several processes) or alone (a unit of one).
+
+    unit_worker.py OUT ARCH MICRO_BATCH [ROUNDS INNER_STEPS PRESET]
+
+Rank 0 writes each round's decoded update (fp32 codec) and sample count to OUT (safetensors) and prints one JSON
+line with samples/s of the inner steps. Between rounds the replica is moved as a remote update would move it,
+so the parameters rank 0 sets at a phase's start must reach the other ranks.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import sys
+import time
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -18,39 +29,44 @@ from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.identity import Identity
 
 
-def main(out: str, arch: str, micro_batch: int) -> None:
-    torch.set_num_threads(1)
-    spec = preset("test")
-    spec = spec.__class__(**{**spec.__dict__, "model": ModelConfig(arch=arch, n_layer=1, n_head=2, n_embd=32,
-                                                                    block_size=32)})
-    import dataclasses
-
-    spec = dataclasses.replace(spec, inner=dataclasses.replace(spec.inner, inner_steps=3),
+def main(out: str, arch: str, micro_batch: int, rounds: int = 2, inner_steps: int = 3, preset_name: str = "") -> None:
+    torch.set_num_threads(int(os.environ.get("UNIT_THREADS", "1")))
+    if preset_name:
+        spec = preset(preset_name)
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, arch=arch))
+    else:  # the test's: a tiny model, so that the test is fast
+        spec = dataclasses.replace(preset("test"), model=ModelConfig(arch=arch, n_layer=1, n_head=2, n_embd=32,
+                                                                      block_size=32))
+    spec = dataclasses.replace(spec, inner=dataclasses.replace(spec.inner, inner_steps=inner_steps),
                                outer=dataclasses.replace(spec.outer, codec="fp32"))
     compute = Compute(device="cpu", micro_batch=micro_batch)
     unit = RankGroup.from_env("cpu")
     if is_follower():
         steps = follow(spec, unit, compute, "cpu")
-        assert steps == 6, steps
+        assert steps == rounds * inner_steps, steps
         unit.close()
         return
     # The same identity in every run (the same PeerID, so the same data and sender).
-    key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-    learner = Learner(spec, Identity(key), load_corpus(spec.data), shard=0, num_shards=1, compute=compute,
-                      unit=unit)
-    codec, tensors = get_codec("fp32"), {}
-    for round_ in range(2):
+    learner = Learner(spec, Identity(Ed25519PrivateKey.from_private_bytes(bytes(range(32)))), load_corpus(spec.data),
+                      shard=0, num_shards=1, compute=compute, unit=unit)
+    codec, tensors, compute_s, samples = get_codec("fp32"), {}, 0.0, 0
+    for round_ in range(rounds):
         phase = learner.begin_phase()
+        t0 = time.perf_counter()
         result = learner.run_inner(phase)
+        compute_s += time.perf_counter() - t0
+        samples += result.samples
         update = learner.finish_phase(phase, result, SwarmView(num_peers=1, samples_per_round=result.samples))
         tensors[f"round{round_}"] = codec.decompress(update.payload, learner.numel)
-        learner.replica.load(learner.replica.snapshot()[0] + 0.01, learner.replica.snapshot()[1])  # a "remote" move
         tensors[f"samples{round_}"] = torch.tensor([update.header.samples])
+        theta, vv = learner.replica.snapshot()
+        learner.replica.load(theta + 0.01, vv)  # a "remote" move
     unit.stop()
     if hasattr(unit, "close"):
         unit.close()
     save_file(tensors, out)
+    print(json.dumps({"samples_per_s": round(samples / compute_s, 1), "params_M": round(learner.numel / 1e6, 2)}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *(int(a) for a in sys.argv[4:6]), *sys.argv[6:7])
