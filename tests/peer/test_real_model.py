@@ -11,11 +11,9 @@ vectors and equal replicas at the end, whatever hardware made each update.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from swarm_helpers import Launcher, assert_replicas_agree, cli
+from swarm_helpers import Launcher, assert_replicas_agree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,36 +49,38 @@ def test_mixed_units_train_a_llama_on_tokens_and_agree(swarm):
     assert "model llama" in a.output() and "(fp32)" in a.output()
     assert "a unit of 2 processes" in b.output()
     assert "(bf16)" in c.output()
-    start = a.events("start")[0]
-    assert start["processes"] == 1 and b.events("start")[0]["processes"] == 2
+    assert a.events("start")[0]["processes"] == 1 and b.events("start")[0]["processes"] == 2
     assert c.events("start")[0]["precision"] == "bf16"
     for proc in peers:
-        evals = proc.events("eval")
         final = proc.events("final")[0]
-        assert final["eval_loss"] < evals[0]["eval_loss"] - 0.3, (evals[0], final)  # ln 4096 = 8.3 untrained
+        # An untrained model scores ln(4096) = 8.3 nats per token; 3 rounds of 3 units bring it below 7.3 (a unit
+        # that synced state mid-run starts from the swarm's replica, so its own first eval is no reference).
+        assert final["eval_loss"] < 7.3, final
         assert final["merged"] > 0 and final["rejected"] == 0
     assert_replicas_agree(peers, clean=True)
 
 
-def test_export_loads_in_transformers_and_generate_prints_text(swarm):
-    workdir, peers = swarm
-    out = workdir / "model"
-    proc = subprocess.run(cli("export", "--checkpoint", str(peers[0].out_dir), "--out", str(out)),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+def test_export_loads_in_transformers_and_generate_prints_text(swarm, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from p2p_diloco.cli.main import main
+
+    workdir, peers = swarm
+    out = workdir / "model"
+    # In this process (torch and transformers are loaded already): the same code as the command, 15 s sooner.
+    assert main(["export", "--checkpoint", str(peers[0].out_dir), "--out", str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert model.config.model_type == "llama" and len(tokenizer) == model.config.vocab_size
     assert json.loads((out / "run_spec.json").read_text())["model"]["arch"] == "llama"
-    gen = subprocess.run(cli("generate", str(out), "--prompt", "def main(", "--max-new-tokens", "12"),
-                         capture_output=True, text=True, timeout=120)
-    assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.startswith("def main(") and len(gen.stdout.strip()) > len("def main("), gen.stdout
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "def main(", "--max-new-tokens", "12"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def main(") and len(text.strip()) > len("def main("), text
 
 
-def test_generate_needs_a_model_folder(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "p2p_diloco", "generate", str(tmp_path), "--prompt", "x"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+def test_generate_needs_a_model_folder(tmp_path, capsys):
+    from p2p_diloco.cli.main import main
+
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
