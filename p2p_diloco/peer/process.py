@@ -140,10 +140,10 @@ class Peer:
         self.network.static_record = {"shard": shard, "corpus": corpus.fingerprint,
                                       "samples_per_update": self.samples_per_update}
         self.out(f"peer {identity.peer_id}")
-        n_chunks = getattr(self.learner.sampler, "n_chunks", None)
-        if n_chunks is not None:  # a token dataset: walked in an order drawn from the PeerID (train/tokens.py)
-            self.out(f"data: {n_chunks} chunks of a phase each, walked in an order drawn from the PeerID; "
-                     f"{corpus.describe()}")
+        n_windows = getattr(self.learner.sampler, "n_windows", None)
+        if n_windows is not None:  # a token dataset: read from a point drawn from the PeerID (train/tokens.py)
+            self.out(f"data: {n_windows} windows, read in the run's shuffled order from a start drawn from the "
+                     f"PeerID; {corpus.describe()}")
         else:
             how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
             self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")

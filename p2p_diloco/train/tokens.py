@@ -10,23 +10,22 @@ Loading maps the files; nothing is read into memory until a batch touches it.
 
 Which data each learner unit reads (`WalkSampler`), with no coordination between units:
 
-- The train tokens are cut into `n_chunks` contiguous chunks of about one inner phase's worth each
-  (inner_steps * batch_size * block_size tokens; 1 chunk when the data holds less than a phase).
-- Unit `peer_id` walks the chunks in epochs of n_chunks rounds: in round r = step // inner_steps it reads
-  chunk order_e[r mod n_chunks], where order_e is a random permutation of the chunks drawn from
-  sha256(seed, peer_id, e) for epoch e = r // n_chunks. So a unit reads every chunk once before it repeats
-  one, in its own order, reshuffled every epoch.
-- Inside its chunk, a round's batch_size * inner_steps windows of block_size+1 tokens are the chunk cut into
-  consecutive blocks from a random shift (< block_size), taken in a random order (both drawn from (seed,
-  peer_id, round)): a round reads its chunk once, not a random sample with repeats (a chunk larger than a
-  phase: a random part of it; smaller: some blocks twice); a later visit uses another shift and order.
-- Collisions: two units read the same chunk in a round with chance 1/n_chunks, independently from epoch to
-  epoch; within an epoch the rounds they share are the fixed points of one random permutation relative to
-  the other (Poisson, mean 1). So the expected share of a unit's reads that one of N-1 others also reads in
-  that round is 1 - (1 - 1/n_chunks)^(N-1), and no pair is stuck together for the run (a unit pair draws the
-  same order with chance 1/n_chunks!). The offset walk (offset(peer) + r) mod n_chunks has the same mean
-  but pairs two units for the whole run with chance 1/n_chunks; the byte-level `ShardSampler` path,
-  sha256(PeerID) mod 16, gives two of 4 units the same shard for the whole run with chance ~1/3.
+- The train tokens are cut into windows of block_size+1 tokens (window k: tokens [k*T, k*T+T+1)), n of them.
+- Unit u reads them in epochs: in its epoch e, its i-th read is window pi_{u,e}(i), where pi_{u,e} is a keyed
+  pseudo-random permutation of [0, n) (`KeyedPermutation`, keyed by sha256(seed, PeerID, e)); row j of the
+  batch at step s is read s * batch_size + j. So every batch is spread over the whole dataset, as a shuffled
+  data loader's is, and a unit reads every window once per epoch before it repeats one.
+- Units are independent shuffles: the share of a unit's first k reads that one of N-1 others also read is
+  1 - (1 - k/n)^(N-1) (about k(N-1)/n), for every unit alike, and no two units are ever paired for good. The
+  byte path's sha256(PeerID) mod 16 shards overlap less on average at 4 units (0.15) but all-or-nothing: two of
+  4 units share a shard, and all of its bytes, for the whole run about 1 time in 3, and at 16 units 62% of
+  reads are duplicates from the start (tests/train/test_tokens.py prints both). Joining and leaving need no
+  coordination. (Coordinated partitions, a joiner taking the largest unread gap from the others' records, would
+  overlap less; not built.)
+- Two earlier designs: one contiguous, phase-sized chunk per unit and round made each inner phase train on one
+  or two source files, and the eval loss swung by up to 1.5 nats from round to round (BENCHMARKS.md, "Real
+  models"); one shared permutation read from a per-unit offset paired a unit that started just behind another
+  with it, epoch after epoch.
 
 The batch at step s is a pure function of (seed, peer_id, step) and the data, so a restarted unit resumes its
 data position from its step counter alone (`position` / `resume_step`, as `ShardSampler`).
@@ -182,8 +181,46 @@ def _hash_int(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a cheap, well-mixed 64-bit hash of an integer."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+class KeyedPermutation:
+    """A pseudo-random permutation of [0, n) from a key, evaluated per index in O(1) memory: a 4-round Feistel
+    network on the smallest even bit width covering n, with cycle-walking (re-encrypt until the value is < n;
+    fewer than 4 tries on average). A bijection whatever the round function, so every index maps to a distinct
+    value; 10^9 windows cost nothing to hold, unlike randperm."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, key: int) -> None:
+        if n < 1:
+            raise ValueError(f"a permutation needs n >= 1, got {n}")
+        self.n = n
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)  # 2 * half bits cover [0, n)
+        self.keys = [_mix(key + 0x9E3779B97F4A7C15 * (i + 1) & _MASK64) for i in range(self.ROUNDS)]
+
+    def __call__(self, i: int) -> int:
+        x = i
+        mask = (1 << self.half) - 1
+        while True:
+            left, right = x >> self.half, x & mask
+            for k in self.keys:
+                left, right = right, left ^ (_mix(right ^ k) & mask)
+            x = (left << self.half) | right
+            if x < self.n:
+                return x
+
+
 class WalkSampler:
-    """Unit `peer_id`'s walk over the chunks of `data` (module docstring): round r reads one chunk, all of it."""
+    """Unit `peer_id`'s reads of `data` (module docstring): every window of block_size+1 tokens once per epoch, in
+    an order keyed by (seed, PeerID, epoch)."""
 
     def __init__(self, data: torch.Tensor, *, peer_id: str, block_size: int, batch_size: int, seed: int,
                  inner_steps: int) -> None:
@@ -197,52 +234,27 @@ class WalkSampler:
         self.data, self.n_tokens = data, n
         self.peer_id, self.seed = str(peer_id), seed
         self.block_size, self.batch_size, self.inner_steps = block_size, batch_size, inner_steps
-        phase_tokens = inner_steps * batch_size * block_size
-        self.n_chunks = max(1, min(n // phase_tokens, n // (block_size + 1)))  # each holds a sequence
-        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, chunk order): caches, not state
-        self._plan: tuple[int, torch.Tensor] | None = None  # (round, window starts)
+        self.n_windows = (n - 1) // block_size  # window k: tokens [k*T, k*T + T + 1)
+        self._epoch: tuple[int, KeyedPermutation] | None = None  # a cache, not state
 
-    def chunk(self, round_: int) -> int:
-        """The chunk this unit reads in round `round_`."""
-        epoch, i = divmod(round_, self.n_chunks)
-        if self._order is None or self._order[0] != epoch:
-            g = torch.Generator().manual_seed(_hash_int("walk-order", self.seed, self.peer_id, epoch))
-            self._order = (epoch, torch.randperm(self.n_chunks, generator=g))
-        return int(self._order[1][i])
-
-    def chunk_bounds(self, chunk: int) -> tuple[int, int]:
-        # Integer bounds k*n//C: the chunks tile [0, n), sizes differ by at most one token.
-        return chunk * self.n_tokens // self.n_chunks, (chunk + 1) * self.n_tokens // self.n_chunks
-
-    def _round_starts(self, round_: int) -> torch.Tensor:
-        if self._plan is not None and self._plan[0] == round_:
-            return self._plan[1]
-        start, stop = self.chunk_bounds(self.chunk(round_))
-        T = self.block_size
-        # Windows tile [start + shift, start + shift + n_windows * T): the chunk, moved by the shift (< T) and
-        # the last target, into the next chunk's first tokens; the data's last chunk keeps them inside.
-        n_windows = (stop - start) // T
-        if start + n_windows * T + 1 > self.n_tokens:
-            n_windows -= 1
-        slack = self.n_tokens - (start + n_windows * T + 1)
-        g = torch.Generator().manual_seed(_hash_int("walk-round", self.seed, self.peer_id, round_))
-        shift = int(torch.randint(min(T, slack + 1), (1,), generator=g))
-        starts = start + shift + T * torch.randperm(n_windows, generator=g)
-        self._plan = (round_, starts)
-        return starts
+    def window(self, read: int) -> int:
+        """The window this unit reads as its `read`-th sequence (read = step * batch_size + row)."""
+        epoch, i = divmod(read, self.n_windows)
+        if self._epoch is None or self._epoch[0] != epoch:
+            key = _hash_int("walk-epoch", self.seed, self.peer_id, epoch)
+            self._epoch = (epoch, KeyedPermutation(self.n_windows, key))
+        return self._epoch[1](i)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) LongTensors [batch_size, block_size] on CPU, a pure function of (seed, peer_id, step)."""
-        round_, k = divmod(step, self.inner_steps)
-        starts = self._round_starts(round_)
-        idx = (k * self.batch_size + torch.arange(self.batch_size)) % starts.numel()
-        return _windows(self.data, starts[idx], self.block_size)
+        first = step * self.batch_size
+        starts = torch.tensor([self.window(first + j) * self.block_size for j in range(self.batch_size)])
+        return _windows(self.data, starts, self.block_size)
 
     def position(self, step: int) -> dict:
         """The data position after `step` inner steps: the step; the rest names the stream it is a position in."""
-        return {"step": int(step), "scheme": "walk", "peer_id": self.peer_id, "seed": self.seed,
-                "block_size": self.block_size, "batch_size": self.batch_size, "inner_steps": self.inner_steps,
-                "n_tokens": self.n_tokens, "n_chunks": self.n_chunks}
+        return {"step": int(step), "scheme": "permuted-windows", "peer_id": self.peer_id, "seed": self.seed,
+                "block_size": self.block_size, "batch_size": self.batch_size, "n_tokens": self.n_tokens}
 
     def resume_step(self, position: dict) -> int:
         """The step to resume at from a checkpointed `position` (another stream still resumes at its step, and

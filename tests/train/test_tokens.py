@@ -9,7 +9,6 @@ import logging
 import random
 import shutil
 import threading
-from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from p2p_diloco.train.data import DataError, eval_batches
 from p2p_diloco.train.tokens import (
     TOKENS_FORMAT,
+    KeyedPermutation,
     WalkSampler,
     dataset_fingerprint,
     is_token_dataset,
@@ -197,55 +197,57 @@ def test_walk_batches_are_a_pure_function_of_peer_and_step():
         assert torch.equal(restarted.batch(s)[0], a.batch(s)[0])
 
 
-def test_walk_round_reads_its_chunk_once_and_visits_every_chunk(caplog):
-    data = torch.arange(23 * 4 * 3 * 8 + 5, dtype=torch.int32)  # 23 chunks of a phase
-    s = WalkSampler(data, peer_id="u", block_size=8, batch_size=4, seed=1, inner_steps=3)
-    assert s.n_chunks == 23
-    for epoch in range(3):  # the whole data before any repeat, in a new order each epoch
-        assert sorted(s.chunk(r) for r in range(23 * epoch, 23 * epoch + 23)) == list(range(23))
-    assert [s.chunk(r) for r in range(23)] != [s.chunk(r) for r in range(23, 46)]
-    for r in (0, 5):
-        lo, hi = s.chunk_bounds(s.chunk(r))
-        starts = torch.cat([s.batch(r * 3 + k)[0][:, 0] for k in range(3)])
-        first = int(starts.min())  # token value == its index
-        assert 0 <= first - lo < 8 and 12 * 8 <= hi - lo < 13 * 8  # a chunk is a phase: 12 windows of 8
-        assert sorted(starts.tolist()) == list(range(first, first + 12 * 8, 8))  # tiled: each token once
+def test_keyed_permutation_is_a_bijection():
+    for n in (1, 2, 3, 17, 1000, 4097):
+        values = [KeyedPermutation(n, key=5)(i) for i in range(n)]
+        assert sorted(values) == list(range(n))
+    a, b = KeyedPermutation(1000, key=1), KeyedPermutation(1000, key=2)
+    assert [a(i) for i in range(50)] != [b(i) for i in range(50)]
+    assert [a(i) for i in range(50)] != list(range(50))
+
+
+def test_a_unit_reads_every_window_once_per_epoch_and_each_batch_is_spread(caplog):
+    T, B = 8, 4
+    data = torch.arange(200 * T + 1, dtype=torch.int32)  # token value == its index: 200 windows
+    s = WalkSampler(data, peer_id="u", block_size=T, batch_size=B, seed=1, inner_steps=3)
+    assert s.n_windows == 200
+    for epoch in range(2):  # 50 steps of 4 rows = one epoch
+        starts = torch.cat([s.batch(step)[0][:, 0] for step in range(50 * epoch, 50 * epoch + 50)])
+        assert sorted(starts.tolist()) == list(range(0, 200 * T, T))  # every window once
+    first_phase = torch.cat([s.batch(step)[0][:, 0] for step in range(3)])  # one inner phase
+    assert int(first_phase.max() - first_phase.min()) > 100 * T  # spread over the data, not one chunk of it
+    epoch0 = [s.window(i) for i in range(200)]
+    assert epoch0 != [s.window(i) for i in range(200, 400)]  # a new order each epoch
     with caplog.at_level(logging.WARNING):
-        other = WalkSampler(data, peer_id="u", block_size=8, batch_size=2, seed=1, inner_steps=3)
+        other = WalkSampler(data, peer_id="u", block_size=T, batch_size=2, seed=1, inner_steps=3)
         assert other.resume_step(s.position(4)) == 4
     assert "data stream changed" in caplog.text
 
 
-def test_walk_duplicates_far_fewer_chunks_than_mod16():
-    """Duplicate reads: per (unit, round), does another unit read the same chunk in that round? The byte-level
-    path's sha256(PeerID) mod 16 shards repeat a collision every round; the walk's chance is 1/n_chunks per
-    pair and round, independently across epochs, so no pair is stuck together."""
-    rounds = 160
-    for n_chunks, n_peers in ((16, 4), (16, 16), (256, 4), (256, 16)):
-        data = torch.zeros(n_chunks * 16 + 3, dtype=torch.int32)  # block 8, batch 2, H 1: 16 tokens a chunk
-        dup_walk, dup_mod, worst_walk, worst_mod = [], [], 0.0, 0.0
-        for trial in range(10):
-            peers = _peer_ids(n_peers, seed=1000 * n_peers + trial)
-            samplers = [WalkSampler(data, peer_id=p, block_size=8, batch_size=2, seed=0, inner_steps=1)
-                        for p in peers]
-            assert samplers[0].n_chunks == n_chunks
-            shards = [int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "big") % 16 for p in peers]
-            chunks = [[s.chunk(r) for r in range(rounds)] for s in samplers]
-            for r in range(rounds):
-                now = [c[r] for c in chunks]
-                dup_walk += [now.count(c) > 1 for c in now]
-                dup_mod += [shards.count(c) > 1 for c in shards]
-            for i, j in combinations(range(n_peers), 2):
-                worst_walk = max(worst_walk, sum(a == b for a, b in zip(chunks[i], chunks[j])) / rounds)
-                worst_mod = max(worst_mod, float(shards[i] == shards[j]))
-        walk, mod = np.mean(dup_walk), np.mean(dup_mod)
-        expected = 1 - (1 - 1 / n_chunks) ** (n_peers - 1)
-        print(f"\nchunks={n_chunks} peers={n_peers}: duplicate reads walk={walk:.3f} (expected {expected:.3f}) "
-              f"mod16={mod:.3f}; the most any pair shares: walk {worst_walk:.3f} of rounds, mod16 {worst_mod:.0f}")
-        assert abs(walk - expected) < 0.3 * expected + 0.005
-        assert worst_walk < 0.25 and worst_mod == 1.0
-        if n_chunks > 16:
-            assert walk < mod / 5
+def test_units_overlap_as_independent_shuffles_and_no_pair_is_stuck_as_with_mod16():
+    """The share of a unit's first k reads that another unit also read, for N units, against the byte path's
+    sha256(PeerID) mod 16 shards (units on one shard read the same bytes for the whole run): the walk is an
+    independent shuffle per unit, 1 - (1 - k/n)^(N-1) for every unit; mod 16 is all or nothing per unit, and a
+    unit that shares its shard duplicates every read it ever makes."""
+    n = 4096
+    data = torch.zeros(n * 8 + 1, dtype=torch.int32)
+    for n_peers in (4, 16):
+        for k in (n // n_peers ** 2, n // (2 * n_peers)):
+            walk, mod16 = [], []
+            for trial in range(10):
+                peers = _peer_ids(n_peers, seed=1000 * n_peers + trial)
+                samplers = [WalkSampler(data, peer_id=p, block_size=8, batch_size=1, seed=trial, inner_steps=1)
+                            for p in peers]
+                reads = [{s.window(i) for i in range(k)} for s in samplers]
+                walk += [len(r & set().union(*(o for o in reads if o is not r))) / k for r in reads]
+                shards = [int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "big") % 16 for p in peers]
+                mod16 += [float(shards.count(c) > 1) for c in shards]
+            w, m = np.mean(walk), np.mean(mod16)
+            expected = 1 - (1 - k / n) ** (n_peers - 1)
+            print(f"\npeers={n_peers} k={k} (n={n}): share of reads another unit also read: walk {w:.3f} "
+                  f"(expected {expected:.3f}, worst unit {max(walk):.2f}), mod16 {m:.3f} (worst unit {max(mod16):.0f})")
+            assert w == pytest.approx(expected, abs=0.03)
+            assert max(walk) < expected + 0.2 and max(mod16) == 1.0  # nobody reads only what another read
 
 
 # ---- the embedded default ---------------------------------------------------------------------------------
