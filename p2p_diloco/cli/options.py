@@ -27,7 +27,6 @@ JOIN_SHOWN = {
     "training.activation_checkpointing": "--activation-checkpointing",
     "training.gpus": "--gpus",
     "training.shard": "--shard",
-    "training.num_shards": "--num-shards",
     "training.linger_s": "--linger-s",
     "logging.out_dir": "--out-dir",
     "logging.json_log": "--json-log",

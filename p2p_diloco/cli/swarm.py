@@ -77,12 +77,16 @@ def cmd_join(args: argparse.Namespace) -> int:
         config = join_config(args)
     except ValueError as err:  # every config's validate() raises a ValueError (ConfigError is one)
         return _fail("join", err)
-    if config.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch_unit(config.training.gpus, args.argv)
     # torch and hivemind only now: a mistake in the options or the --config file answers in half a second, not 5.
     from p2p_diloco.config import ConfigError
     from p2p_diloco.train.unit import is_follower
 
+    helpers = []
+    if config.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
+        try:
+            helpers = _launch_unit(config, args.argv)
+        except ConfigError as err:
+            return _fail("join", err)
     if is_follower():  # a training-only rank of a torchrun unit: no network, rank 0 speaks for the unit
         try:
             return _follow(config)
@@ -100,23 +104,70 @@ def cmd_join(args: argparse.Namespace) -> int:
         return Peer(config, stop=stop, finish=finish).run()
     except (ConfigError, IdentityError, NodeError, StateSyncError) as err:  # spec mismatch, corpus, key, network,
         return _fail("join", err)  # and a refusal (AccessDenied: not allowed in this run, and why)
+    finally:
+        for helper in helpers:  # ranks > 0 end on rank 0's stop, or when its sockets close
+            try:
+                helper.wait(timeout=30)
+            except Exception:
+                helper.kill()
 
 
-def _launch_unit(gpus: int, argv: list[str]) -> int:
-    """`join --gpus N`: the same command as N processes under torchrun (one unit; rank 0 speaks to the swarm)."""
+def _launch_unit(config: Any, argv: list[str]) -> list:
+    """`join --gpus N`: this process becomes rank 0 of a unit of N (it keeps the terminal and every signal:
+    Ctrl-C, SIGTERM, SIGUSR1 work as for one process) and starts ranks 1..N-1 as children that only train,
+    wired like torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Children die with us."""
+    import socket
     import subprocess
     import sys
 
-    rest = argv[argv.index("join") + 1:] if "join" in argv else argv
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-               "-m", "p2p_diloco", "join", *rest]
-    print("starting a unit of {} processes: {}".format(gpus, " ".join(command[2:])), flush=True)
-    return subprocess.call(command)
+    import torch
+
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.train.device import resolve_device
+
+    gpus, batch = config.training.gpus, config.spec.data.batch_size
+    if batch % gpus:  # checked before anything starts, not as N tracebacks
+        raise ConfigError(f"--gpus {gpus}: data.batch_size {batch} does not split over {gpus} processes; use a "
+                          f"batch size divisible by {gpus}")
+    device = resolve_device(config.training.device)
+    if device.startswith("cuda") and torch.cuda.device_count() < gpus:
+        raise ConfigError(f"--gpus {gpus}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"WORLD_SIZE": str(gpus), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "LOCAL_WORLD_SIZE": str(gpus)}
+    os.environ.update(env, RANK="0", LOCAL_RANK="0")
+    rest = argv[argv.index("join"):] if "join" in argv else ["join", *argv]
+    print(f"a unit of {gpus} processes: this one (rank 0) speaks to the swarm, ranks 1..{gpus - 1} train",
+          flush=True)
+    helpers = []
+    for rank in range(1, gpus):
+        child_env = {**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        helpers.append(subprocess.Popen([sys.executable, "-m", "p2p_diloco", *rest], env=child_env,
+                                        preexec_fn=_die_with_parent))
+    return helpers
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent dies (Linux), so no rank outlives rank 0."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _follow(config: Any) -> int:
+    import signal
+
     import torch
 
+    # Ctrl-C reaches the whole terminal's process group: rank 0 handles it (finishes or leaves, then says stop);
+    # a training rank must not die mid-collective and leave rank 0 waiting.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from p2p_diloco.train.compute import Compute
     from p2p_diloco.train.resolve import resolve_spec
     from p2p_diloco.train.unit import RankGroup, follow, unit_device

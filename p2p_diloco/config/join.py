@@ -34,8 +34,8 @@ class TrainingConfig:
     compile: bool = False
     """torch.compile the model for the inner steps: faster steps on GPUs after a minute of compiling."""
     gpus: int = 0
-    """Run this unit as N processes (one per GPU) under torchrun: rank 0 speaks to the swarm, all train (0 or
-    1: one process; or start it with `torchrun --nproc-per-node N -m p2p_diloco join ...` yourself)."""
+    """Run this unit as N processes (one per GPU; on a CPU, N gloo processes): this one becomes rank 0 and speaks
+    to the swarm, all N train (0 or 1: one process; torchrun --nproc-per-node N -m p2p_diloco join ... works too)."""
     torch_threads: int = 0
     """CPU threads for torch (0: torch's default; 1 when several peers share a machine)."""
     shard: int = -1

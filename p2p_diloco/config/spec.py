@@ -42,7 +42,8 @@ class ModelConfig:
 
     arch: str = "gpt"
     """gpt (the built-in byte-level GPT), or a Hugging Face family built with transformers: llama, qwen2,
-    mistral, gpt2. `join --model` also takes a config.json or a local model folder (its weights are the start)."""
+    mistral, gpt2. `join --model` also takes a config.json, a local model folder (its weights are the start) or
+    a hub name in the local cache; any model_type transformers builds then works."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -69,7 +70,7 @@ class ModelConfig:
     def validate(self) -> None:
         # A path (config.json or model folder) is allowed here; train/resolve.py turns it into arch + hf_config
         # before the spec is hashed or published.
-        _require(self.arch in MODEL_ARCHS or is_model_path(self.arch),
+        _require(self.arch in MODEL_ARCHS or is_model_path(self.arch) or bool(self.hf_config),
                  f"model.arch must be one of {', '.join(MODEL_ARCHS)}, a config.json or a model folder, "
                  f"got {self.arch!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):

@@ -141,9 +141,9 @@ class Peer:
                                       "samples_per_update": self.samples_per_update}
         self.out(f"peer {identity.peer_id}")
         n_windows = getattr(self.learner.sampler, "n_windows", None)
-        if n_windows is not None:  # a token dataset: read from a point drawn from the PeerID (train/tokens.py)
-            self.out(f"data: {n_windows} windows, read in the run's shuffled order from a start drawn from the "
-                     f"PeerID; {corpus.describe()}")
+        if n_windows is not None:  # a token dataset: every window once per epoch, shuffled by PeerID and epoch
+            self.out(f"data: {n_windows} windows of a sequence, read in this unit's own shuffled order (keyed by "
+                     f"the PeerID); {corpus.describe()}")
         else:
             how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
             self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")

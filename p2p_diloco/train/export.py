@@ -227,6 +227,13 @@ def export_folder(spec: RunSpec, theta: torch.Tensor, out: str | Path, *, dtype:
         raise ExportError(f"{out} exists and is not empty; pass --force to replace it, or another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tok_dir = Path(tokenizer_dir).expanduser() if tokenizer_dir else token_tokenizer_dir(spec)
+    if tok_dir is not None and spec.data.tokenizer_fingerprint:
+        from p2p_diloco.train.tokens_format import tokenizer_fingerprint
+
+        have = tokenizer_fingerprint(tok_dir)
+        if have != spec.data.tokenizer_fingerprint:  # a model with another tokenizer's ids writes gibberish
+            raise ExportError(f"the tokenizer in {tok_dir} (fingerprint {have}) is not the run's "
+                              f"({spec.data.tokenizer_fingerprint}); pass --tokenizer DIR with the run's tokenizer/")
     hf = to_hf_model(spec, theta)
     if tok_dir is None:
         tokenizer = byte_tokenizer(spec.model.block_size)

@@ -129,12 +129,12 @@ def build_hf_model(cfg: ModelConfig, seed: int) -> HFCausalLM:
 
     hf_logging.set_verbosity_error()  # its config warnings are about fields we set on purpose (no bos/eos ids)
     config = hf_config(cfg)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if cfg.weights_sha256:
-        _load_weights(hf, cfg.weights_sha256)
+        hf = _load_weights(cfg.weights_sha256)
     else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         n_layer = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
         init_weights(hf, torch.Generator().manual_seed(seed), n_layer, getattr(config, "initializer_range", 0.02))
     hf.train()
@@ -200,23 +200,18 @@ def resolve_model_path(path: str) -> dict:
     return fields
 
 
-def _load_weights(hf: nn.Module, digest: str) -> None:
-    from safetensors.torch import load_file
+def _load_weights(digest: str) -> nn.Module:
+    """The model of the folder whose weights have sha256 `digest` (from_pretrained: it knows each family's key
+    names and prefixes), in float32."""
+    from transformers import AutoModelForCausalLM
 
     folder = _weights_folders.get(digest)
     if folder is None:
         raise ConfigError(f"this run starts from weights with sha256 {digest[:16]}...; pass --model FOLDER with "
                           f"that model folder (its *.safetensors files)")
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not _is_tied(hf, k)]
-    if missing or unexpected:
-        raise ConfigError(f"the weights in {folder} do not fit its config: missing {missing[:4]}, "
-                          f"unexpected {unexpected[:4]}")
-
-
-def _is_tied(hf: nn.Module, key: str) -> bool:
-    # A tied lm_head is saved once (as the embedding); loading it reports the head as missing.
-    return key.startswith("lm_head") and bool(getattr(hf.config, "tie_word_embeddings", False))
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"--model {folder}: transformers cannot load its weights: {e}") from e
+    hf.config._attn_implementation = "sdpa"
+    return hf

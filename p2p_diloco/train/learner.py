@@ -177,8 +177,10 @@ class Learner:
                                        optimizer_changed=self._optimizer_changed)
             self._params_changed = self._optimizer_changed = False
             xd, yd = (t.to(self.device) for t in rows)
+            # The loss of this process's rows (all of the batch in a unit of one process).
             phase.losses.append(inner_step(self.train_model, self.optimizer, xd, yd, 0, cfg, compute=self.compute,
                                            lr=lr, no_sync=self.unit.no_sync(self.train_model)))
+            self.unit.step_done()
             phase.samples += x.shape[0]  # the unit's whole batch, over all its processes
             phase.steps_done += 1
             self.step += 1

@@ -5,8 +5,9 @@
   JSON and, for a folder with weights, `weights_sha256` (train/hf_model.py); the path itself never enters the
   spec, so two machines with the folder in different places train one run;
 - a token dataset (`--corpus stdlib-bpe` or a folder from `data prepare`) sets `model.vocab_size` to its
-  tokenizer's and writes its fingerprints into `data.fingerprint` / `data.tokenizer_fingerprint`; a spec that
-  already names other fingerprints (a peer of a run made with other data) is refused, naming the field.
+  tokenizer's and writes its fingerprints into `data.fingerprint` / `data.tokenizer_fingerprint`; a folder
+  becomes `data.corpus = tokens:<fingerprint>` (its path stays in this process), so peers that keep the same
+  dataset in different places train one run, and a peer with other data is refused, naming the field.
 `load_training_data` loads what `data.corpus` names: a byte corpus (train/data.py) or a token dataset
 (train/tokens.py), both with `train`, `eval`, `fingerprint`, `source` and `describe()`.
 """
@@ -22,15 +23,32 @@ from p2p_diloco.config.spec import DataConfig, is_model_path
 
 STDLIB_TOKENS = "stdlib-bpe"
 STDLIB_VOCAB = 4096
+TOKENS_PREFIX = "tokens:"
+"""A resolved spec names a prepared token folder as `tokens:<fingerprint>`, not by its path on one machine."""
+_token_folders: dict[str, Path] = {}
+"""fingerprint -> the folder this process was given for it (`--corpus DIR`), filled by `resolve_spec`."""
+
+
+def looks_like_token_folder(path: str) -> bool:
+    """A folder with any part of a prepared token dataset: it must load as one (a broken one is an error, never
+    read as a folder of text)."""
+    p = Path(path).expanduser()
+    return p.is_dir() and any((p / name).exists() for name in ("manifest.json", "train.bin", "tokenizer"))
 
 
 def token_dataset_path(cfg: DataConfig) -> Path | None:
     """The prepared folder `data.corpus` names, or None for a byte corpus."""
-    from p2p_diloco.train.tokens import is_token_dataset, stdlib_token_dataset
+    from p2p_diloco.train.tokens import stdlib_token_dataset
 
     if cfg.corpus == STDLIB_TOKENS:
         return Path(stdlib_token_dataset(STDLIB_VOCAB))
-    return Path(cfg.corpus) if is_token_dataset(cfg.corpus) else None
+    if cfg.corpus.startswith(TOKENS_PREFIX):
+        folder = _token_folders.get(cfg.corpus[len(TOKENS_PREFIX):])
+        if folder is None:
+            raise ConfigError(f"the run trains on the token dataset {cfg.corpus}; pass --corpus DIR with that "
+                              f"dataset (a folder made by `p2p-diloco data prepare` with this fingerprint)")
+        return folder
+    return Path(cfg.corpus).expanduser() if looks_like_token_folder(cfg.corpus) else None
 
 
 def load_training_data(cfg: DataConfig, *, block_size: int | None = None) -> Any:
@@ -63,7 +81,11 @@ def resolve_spec(spec: RunSpec) -> RunSpec:
             if want and want != have:
                 raise ConfigError(f"data.{name}: the run's is {want} but {dataset.source} has {have}: this peer's "
                                   f"data differs from the run's; prepare it with the run's tokenizer and files")
-        data = dataclasses.replace(data, fingerprint=dataset.fingerprint,
+        corpus = data.corpus
+        if corpus != STDLIB_TOKENS:  # a folder: named by its fingerprint, so its path on this machine stays here
+            _token_folders[dataset.fingerprint] = path
+            corpus = TOKENS_PREFIX + dataset.fingerprint
+        data = dataclasses.replace(data, corpus=corpus, fingerprint=dataset.fingerprint,
                                    tokenizer_fingerprint=dataset.tokenizer_fingerprint)
         if model.arch == "gpt":
             raise ConfigError(f"{data.corpus} is a token dataset ({dataset.vocab_size} tokens) but model.arch is the "

@@ -43,7 +43,10 @@ def unit_device(name: str) -> str:
     from p2p_diloco.train.device import resolve_device
 
     device = resolve_device(name)
-    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if device != "cuda":
+            raise ConfigError(f"--device {device} with a unit of several processes: each process takes its own "
+                              f"GPU (cuda:LOCAL_RANK); pass --device cuda or auto (CUDA_VISIBLE_DEVICES picks GPUs)")
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         resolve_device(device)  # fewer GPUs than processes: a clear error
     return device
@@ -72,6 +75,9 @@ class SoloUnit:
     def no_sync(self, model: nn.Module) -> Callable | None:
         return None
 
+    def step_done(self) -> None:
+        pass
+
     def stop(self) -> None:
         pass
 
@@ -84,10 +90,13 @@ class RankGroup(SoloUnit):
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.device = device
         backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device)  # NCCL's object collectives use the current device: ours, not cuda:0
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
         self.comm = torch.device(device) if backend == "nccl" else torch.device("cpu")
         self.stopped = False
+        self.in_step = False  # a step's collectives are under way (the others are inside them)
 
     @staticmethod
     def from_env(device: str) -> SoloUnit:
@@ -118,6 +127,7 @@ class RankGroup(SoloUnit):
         """Rank 0: tell the others to take a step (with what changed), send the batch; this rank's rows."""
         command = torch.tensor([STEP, float(params_changed), float(optimizer_changed), x.shape[0], x.shape[1], lr],
                                dtype=torch.float64, device=self.comm)
+        self.in_step = True  # until step_done: the others will be inside this step's collectives
         dist.broadcast(command, 0)
         self._share_state(model, optimizer, params_changed, optimizer_changed)
         batch = torch.stack([x, y]).to(self.comm)
@@ -140,10 +150,23 @@ class RankGroup(SoloUnit):
         model = getattr(model, "_orig_mod", model)  # under torch.compile
         return model.no_sync if isinstance(model, nn.parallel.DistributedDataParallel) else None
 
+    def step_done(self) -> None:
+        self.in_step = False
+
     def stop(self) -> None:
-        if self.rank == 0 and not self.stopped and dist.is_initialized():
-            self.stopped = True
+        """Rank 0: tell the others to end, then close the group. After a step that broke off (an error inside
+        it), the others wait inside that step's collectives, where a stop would not match: close the group
+        instead, which ends their wait with an error (torchrun or `join --gpus` then ends them)."""
+        if self.rank != 0 or self.stopped or not dist.is_initialized():
+            return
+        self.stopped = True
+        if self.in_step:
+            logger.warning("a step broke off mid-way: closing the unit's process group instead of a stop")
+        else:
             dist.broadcast(torch.tensor([STOP, 0, 0, 0, 0, 0], dtype=torch.float64, device=self.comm), 0)
+            if self.comm.type == "cuda":
+                torch.cuda.synchronize(self.comm)  # NCCL is asynchronous: the stop must leave before we exit
+        self.close()
 
     def close(self) -> None:
         if dist.is_initialized():

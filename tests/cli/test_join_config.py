@@ -107,3 +107,9 @@ def test_a_mistake_is_one_line_and_exit_2_before_the_network(tmp_path, content, 
     message = message.replace("peer.toml", str(path), 1) if message.startswith("peer.toml") else message
     assert proc.stderr.strip().splitlines() == [f"p2p-diloco join: error: {message}"], proc.stderr
     assert proc.stdout == "" and not (tmp_path / "id.key").exists() and time.monotonic() - t0 < 30
+
+
+def test_gpus_that_do_not_split_the_batch_are_one_line_before_anything_starts():
+    proc = _run("join", "--gpus", "3", "--rounds", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "divisible by 3" in proc.stderr, proc.stderr

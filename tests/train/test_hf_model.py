@@ -131,3 +131,15 @@ def test_a_spec_mismatch_names_the_field_inside_the_model_config():
     c = dataclasses.replace(a.model, hf_config=json.dumps({"model_type": "llama", "hidden_size": 32}))
     diff = RunSpec(model=b).differing_fields(RunSpec(model=c))
     assert diff == ["model.hf_config.hidden_size: 64 != 32"]
+
+
+def test_any_model_type_transformers_builds_is_accepted_from_a_config(tmp_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config.to_json_file(tmp_path / "config.json")
+    spec = resolve_spec(RunSpec(model=ModelConfig(arch=str(tmp_path / "config.json"), block_size=16)))
+    assert spec.model.arch == "qwen3"
+    RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))).validate()  # as a peer receives it from the DHT
+    assert build_model(spec.model, 0)(torch.zeros((1, 16), dtype=torch.long))[0].shape == (1, 16, 256)

@@ -273,3 +273,21 @@ def test_stdlib_token_dataset_is_built_once_deterministically(tmp_path):
     a, b = load_token_dataset(str(built[0]), block_size=32), load_token_dataset(str(other), block_size=32)
     assert a.fingerprint == b.fingerprint and a.source == "stdlib-bpe"
     assert a.eval.numel() > 100
+
+
+def test_a_token_folder_is_named_by_its_fingerprint_and_a_broken_one_is_an_error(prepared, tmp_path):
+    from p2p_diloco.config import ConfigError, DataConfig, ModelConfig, RunSpec
+    from p2p_diloco.train.resolve import load_training_data, resolve_spec
+
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(prepared, moved)
+    specs = [resolve_spec(RunSpec(model=ModelConfig(arch="llama", n_layer=1, n_head=2, n_embd=32, block_size=8),
+                                  data=DataConfig(corpus=str(folder)))) for folder in (prepared, moved)]
+    assert specs[0].spec_hash() == specs[1].spec_hash()  # two machines, two paths, one run
+    assert specs[0].data.corpus.startswith("tokens:") and str(prepared) not in json.dumps(specs[0].to_dict())
+    assert load_training_data(specs[0].data, block_size=8).fingerprint == specs[0].data.fingerprint
+    broken = tmp_path / "broken"
+    shutil.copytree(prepared, broken)
+    (broken / "manifest.json").unlink()
+    with pytest.raises(ConfigError):  # never read as a folder of text files
+        resolve_spec(RunSpec(model=ModelConfig(arch="llama"), data=DataConfig(corpus=str(broken))))
