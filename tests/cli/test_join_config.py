@@ -74,10 +74,11 @@ def test_toml_file_then_command_line_over_it(tmp_path):
 def test_profiles_load(tmp_path):
     from pathlib import Path
 
-    for name in ("cpu-volunteer", "gpu-24gb"):
+    for name in ("cpu-volunteer", "gpu-24gb", "gpu-llama-135m"):
         path = Path(__file__).resolve().parents[2] / "peers" / f"{name}.toml"
         config = join_config(_join_args("--config", str(path)))
-        assert config.spec.run_id == {"cpu-volunteer": "cpu-volunteers", "gpu-24gb": "gpu-24gb"}[name]
+        assert config.spec.run_id == {"cpu-volunteer": "cpu-volunteers", "gpu-24gb": "gpu-24gb",
+                                      "gpu-llama-135m": "gpu-llama-135m"}[name]
         # A profile spells out the whole spec; its outer step and lr clock must be today's defaults, not a copy
         # of older ones (BENCHMARKS.md "Async quality").
         assert config.spec.outer.outer_lr == OuterConfig().outer_lr
