@@ -27,7 +27,8 @@ from swarm_helpers import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]
+# A 60-second scenario: run with `pytest -m slow` (the faults story is the default suite's representative).
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(420)]
 
 START_S = 120
 CUT_S = 20.0  # longer than the record TTL (12 s): each side forgets the other, and must find it again

@@ -165,6 +165,8 @@ def test_status_lists_the_live_peers(scenario: Scenario) -> None:
 # ---------------------------------------------------------------------------------------------- bootstraps
 
 
+@pytest.mark.slow  # 26 s of processes; the default suite has its in-process twin (tests/net/test_net_node.py
+# test_stock_hivemind_dht_as_bootstrap) and the spec-mismatch message test below
 def test_stock_hivemind_dht_bootstrap_and_spec_mismatch(tmp_path: Path) -> None:
     with Launcher(tmp_path) as launcher:
         _, bootstrap = launcher.stock_bootstrap()
