@@ -19,7 +19,7 @@ def plot_curves(curves: Mapping[str, Sequence[EvalPoint]], path: str, *, title: 
     for label, points in curves.items():
         ax.plot([getattr(p, x) for p in points], [p.loss for p in points], marker=".", label=label)
     ax.set_xlabel("tokens (whole swarm)" if x == "tokens" else "simulated time (s)")
-    ax.set_ylabel("eval loss (nats/byte)")
+    ax.set_ylabel("eval loss (nats per token; a byte for the built-in GPT)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
