@@ -238,20 +238,25 @@ class ShardSampler:
         """The step to resume at from a checkpointed `position`. A position in another stream (another shard,
         corpus size or batch shape: e.g. the peer was restarted with other options) still resumes at its step,
         so the schedule's clock goes on; the batches then come from the new stream, and we say so."""
-        changed = {k: (position.get(k), v) for k, v in self.position(0).items()
-                   if k != "step" and position.get(k) != v}
-        if changed:
-            logger.warning("data stream changed since the checkpoint (checkpoint, now): %s", changed)
-        step = position.get("step")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"bad data position step {step!r}")
-        return step
+        return resume_step(position, self.position(0))
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) LongTensors [batch_size, block_size] on CPU, a pure function of (seed, shard, step)."""
         g = torch.Generator().manual_seed(_seed_from(self.seed, self.shard, step))
         starts = torch.randint(self.data.numel() - self.block_size, (self.batch_size,), generator=g)
         return _windows(self.data, starts, self.block_size)
+
+
+def resume_step(position: dict, now: dict) -> int:
+    """The step a checkpointed data `position` resumes at; a warning names what differs from the stream `now`
+    (a sampler's `position(0)`). Shared by every sampler: a position is a step in a named stream."""
+    changed = {k: (position.get(k), v) for k, v in now.items() if k != "step" and position.get(k) != v}
+    if changed:
+        logger.warning("data stream changed since the checkpoint (checkpoint, now): %s", changed)
+    step = position.get("step")
+    if type(step) is not int or step < 0:
+        raise ValueError(f"bad data position step {step!r}")
+    return step
 
 
 def eval_batches(corpus: Corpus, *, block_size: int, batch_size: int, num_batches: int,

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from p2p_diloco.train.data import DataError, _windows
+from p2p_diloco.train.data import DataError, _windows, resume_step
 from p2p_diloco.train.tokens_format import (  # noqa: F401 (re-exported: the format's names live here too)
     DTYPES,
     FORMAT_VERSION,
@@ -259,14 +259,7 @@ class WalkSampler:
     def resume_step(self, position: dict) -> int:
         """The step to resume at from a checkpointed `position` (another stream still resumes at its step, and
         we say so: e.g. the unit was restarted with other options or data)."""
-        changed = {k: (position.get(k), v) for k, v in self.position(0).items()
-                   if k != "step" and position.get(k) != v}
-        if changed:
-            logger.warning("data stream changed since the checkpoint (checkpoint, now): %s", changed)
-        step = position.get("step")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"bad data position step {step!r}")
-        return step
+        return resume_step(position, self.position(0))
 
 
 # ---- the embedded default: the standard library, tokenized -------------------------------------------

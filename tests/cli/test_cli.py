@@ -61,7 +61,7 @@ def test_keygen_and_id(tmp_path, capsys):
 
 def test_simulate_runs_and_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    proc = _run("simulate", "--peers", "2", "--total-steps", "80", "--max-corpus-mb", "1", "--eval-batches", "2",
+    proc = _run("simulate", "--peers", "2", "--total-steps", "40", "--max-corpus-mb", "1", "--eval-batches", "2",
                 "--json-out", str(out), "--plot", str(png), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "eval_loss=" in proc.stdout and out.stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"

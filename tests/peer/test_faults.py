@@ -117,7 +117,7 @@ def story(tmp_path_factory) -> Story:
         boot.kill_group()
         s.marks["boot_killed"] = time.time()
         boot.wait(30)
-        _wait_rounds_after([a, b, c], s.marks["boot_killed"], 10, "A, B, C to train on without the bootstrap")
+        _wait_rounds_after([a, b, c], s.marks["boot_killed"], 5, "A, B, C to train on without the bootstrap")
 
         # 4. J joins through A; its first donor dies while J fetches the snapshot's chunks
         j = s.joiner = launcher.peer("J", listen_maddr_of(a), base=ARGS, linger_s=120)

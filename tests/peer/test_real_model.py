@@ -18,7 +18,7 @@ from swarm_helpers import Launcher, assert_replicas_agree
 pytestmark = pytest.mark.timeout(300)
 
 START_S = 120  # start-up of one process (torch, transformers, the token dataset, the DHT) on a loaded machine
-ROUNDS = 3
+ROUNDS = 2
 REAL = ("--model", "llama", "--corpus", "stdlib-bpe", "--eval-every", str(ROUNDS))
 
 
@@ -53,9 +53,9 @@ def test_mixed_units_train_a_llama_on_tokens_and_agree(swarm):
     assert c.events("start")[0]["precision"] == "bf16"
     for proc in peers:
         final = proc.events("final")[0]
-        # An untrained model scores ln(4096) = 8.3 nats per token; 3 rounds of 3 units bring it below 7.3 (a unit
+        # An untrained model scores ln(4096) = 8.3 nats per token; 2 rounds of 3 units bring it below 7.5 (a unit
         # that synced state mid-run starts from the swarm's replica, so its own first eval is no reference).
-        assert final["eval_loss"] < 7.3, final
+        assert final["eval_loss"] < 7.5, final
         assert final["merged"] > 0 and final["rejected"] == 0
     assert_replicas_agree(peers, clean=True)
 
