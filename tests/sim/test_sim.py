@@ -100,7 +100,7 @@ def test_learner_round_talks_to_an_exchange(corpus):
 def test_timing_noise_is_seeded_and_changes_only_the_timing(corpus):
     """Staggered starts and jittered phases/latency: replicas still agree, the run is reproducible per
     timing seed, and another timing seed gives another (but equally complete) run."""
-    noisy = SimConfig(peers=3, total_steps=3 * 20 * 3, eval_batches=2, step_time_s=0.05, latency_s=0.1,
+    noisy = SimConfig(peers=3, total_steps=3 * 20 * 2, eval_batches=2, step_time_s=0.05, latency_s=0.1,
                       latency_jitter_s=0.4, start_spread_s=1.5, phase_jitter=0.3)
     first, again = simulate(SPEC, noisy, corpus), simulate(SPEC, noisy, corpus)
     other = simulate(SPEC, dataclasses.replace(noisy, timing_seed=1), corpus)

@@ -158,6 +158,7 @@ def test_status_watch_in_a_terminal_shows_the_peers_and_leaves_cleanly_on_ctrl_c
         os.close(fd)
 
 
+@pytest.mark.slow  # an 18-second peer of its own in a pseudo-terminal; the suite's other live views share a swarm
 def test_join_shows_progress_bars_on_a_terminal_and_plain_lines_when_piped(swarm, tmp_path: Path) -> None:
     from tests.swarm_helpers import PEER_ARGS
 
