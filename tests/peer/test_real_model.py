@@ -56,7 +56,9 @@ def test_mixed_units_train_a_llama_on_tokens_and_agree(swarm):
         # An untrained model scores ln(4096) = 8.3 nats per token; 2 rounds of 3 units bring it below 7.5 (a unit
         # that synced state mid-run starts from the swarm's replica, so its own first eval is no reference).
         assert final["eval_loss"] < 7.5, final
-        assert final["merged"] > 0 and final["rejected"] == 0
+        assert final["rejected"] == 0
+    # Every unit holds every unit's updates (a unit that started late may have them from its state sync, not from
+    # merges), and the replicas are equal.
     assert_replicas_agree(peers, clean=True)
 
 
