@@ -29,7 +29,8 @@ def _run(out: Path, *, ranks: int, micro_batch: int, arch: str = "gpt") -> dict[
         finally:
             torch.set_num_threads(threads)
         return load_file(str(out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # keep the caller's path (packages there)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER)]
     proc = subprocess.run([*cmd, str(out), arch, str(micro_batch)], env=env, capture_output=True, text=True,
                           timeout=120)
