@@ -32,7 +32,7 @@ def _options(text: str) -> list[str]:
 def test_join_help_is_short_and_points_to_help_all():
     proc = _run("join", "--help")
     assert proc.returncode == 0
-    assert len(_options(proc.stdout)) <= 30, proc.stdout  # the model and GPU flags (issue 13) joined the 25
+    assert len(_options(proc.stdout)) <= 25, proc.stdout
     flat = " ".join(proc.stdout.split())
     assert "--SECTION.FIELD" in flat and "--help-all" in flat
     for flag in ("--config", "--bootstrap", "--identity", "--preset", "--device", "--rounds", "--out-dir"):
