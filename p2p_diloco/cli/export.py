@@ -23,16 +23,12 @@ import argparse
 import sys
 from typing import Any
 
+from p2p_diloco.cli.swarm import _fail
 from p2p_diloco.config import PRESETS, ConfigError
 
 SPEC_OPTIONS = {"run_id": "join__spec__run_id", "model": "join__spec__model__arch",
                 "corpus": "join__spec__data__corpus"}
 """export's spec options, under the dests of join's generated options (`load_config(JoinConfig, args, "join")`)."""
-
-
-def _fail(command: str, error: BaseException | str) -> int:
-    print(f"p2p-diloco {command}: error: {error}", file=sys.stderr)
-    return 2
 
 
 def add_export_commands(sub: argparse._SubParsersAction) -> None:
@@ -218,7 +214,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = _device(args.device)
+    from p2p_diloco.train.device import resolve_device
+
+    device = resolve_device(args.device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True,
@@ -253,14 +251,3 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     print(tokenizer.decode(out[0], skip_special_tokens=True))
     return 0
-
-
-def _device(name: str) -> str:
-    import torch
-
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    mps = getattr(torch.backends, "mps", None)
-    return "mps" if mps is not None and mps.is_available() else "cpu"

@@ -177,8 +177,7 @@ def _follow(config: Any) -> int:
         torch.set_num_threads(cfg.torch_threads)
     spec = resolve_spec(config.spec)
     device = unit_device(cfg.device)
-    compute = Compute(device=device, precision=cfg.precision, micro_batch=cfg.micro_batch,
-                      activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+    compute = Compute.for_training(cfg, device)
     unit = RankGroup(device)
     try:
         follow(spec, unit, compute, device)

@@ -130,8 +130,7 @@ class Peer:
         cfg = self.config.training
         shard = cfg.shard if cfg.shard >= 0 else shard_for(identity.peer_id, cfg.num_shards)
         corpus = load_training_data(self.spec.data, block_size=self.spec.model.block_size)
-        compute = Compute(device=self.device, precision=cfg.precision, micro_batch=cfg.micro_batch,
-                          activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+        compute = Compute.for_training(cfg, self.device)
         self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
                                device=self.device, compute=compute, unit=RankGroup.from_env(self.device))
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,

@@ -59,6 +59,12 @@ class Compute:
     compile: bool = False
     """torch.compile the training model (fuses the norms, rotary and SwiGLU element-wise work on GPUs)."""
 
+    @classmethod
+    def for_training(cls, cfg, device: str) -> Compute:
+        """From `join`'s [training] settings (config/join.py TrainingConfig), on `device`."""
+        return cls(device=device, precision=cfg.precision, micro_batch=cfg.micro_batch,
+                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+
     def __post_init__(self) -> None:
         self.precision = resolve_precision(self.precision, self.device)
         if self.micro_batch < 0:

@@ -78,17 +78,22 @@ def load_corpus(cfg: DataConfig, *, block_size: int | None = None) -> Corpus:
     return corpus
 
 
-@functools.lru_cache(maxsize=4)
-def _load_stdlib(max_corpus_mb: float, eval_fraction: float) -> Corpus:
-    # Cached per process: the simulator builds many peers from one corpus. Keyed by the fields that
-    # decide the bytes (not the whole DataConfig) so that e.g. a different batch_size still hits.
+def stdlib_files() -> tuple[Path, list[str]]:
+    """The standard library's .py sources, as (root, sorted relative paths): the same files in the same order on
+    every machine with this Python version (the "stdlib" corpus, and the files of "stdlib-bpe")."""
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
         paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    # Sorted relative paths: the same files in the same order on every machine with this Python version.
-    rel_paths = sorted(p.relative_to(root).as_posix() for p in paths)
+    return root, sorted(p.relative_to(root).as_posix() for p in paths)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_stdlib(max_corpus_mb: float, eval_fraction: float) -> Corpus:
+    # Cached per process: the simulator builds many peers from one corpus. Keyed by the fields that
+    # decide the bytes (not the whole DataConfig) so that e.g. a different batch_size still hits.
+    root, rel_paths = stdlib_files()
     files = _read_files(root, rel_paths, max_corpus_mb)
     if not files:
         raise DataError(f"found no .py files in the Python standard library at {root}")

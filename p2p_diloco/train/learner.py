@@ -65,7 +65,7 @@ def swarm_rounds(vv: VersionVector) -> float:
 
 def make_sampler(corpus: Corpus | Any, spec: RunSpec, peer_id: str, *, shard: int, num_shards: int):
     """The unit's data stream: a byte corpus is cut into `num_shards` shards (train/data.py); a token dataset is
-    walked from a start drawn from the PeerID (train/tokens.py WalkSampler)."""
+    read window by window in this unit's own shuffle per epoch, keyed by the PeerID (train/tokens.py WalkSampler)."""
     if getattr(corpus, "tokenizer_fingerprint", None) is not None:
         from p2p_diloco.train.tokens import WalkSampler
 

@@ -16,17 +16,16 @@ import codecs
 import hashlib
 import json
 import os
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
 from p2p_diloco.train.data import (
     BINARY_SNIFF_BYTES,
     BYTES_PER_MB,
-    STDLIB_SKIP_DIRS,
     DataError,
     _choose_eval_files,
     _read_files,
+    stdlib_files,
 )
 from p2p_diloco.train.tokens_format import MANIFEST_NAME, is_token_dataset
 
@@ -266,13 +265,3 @@ def _hf_pieces(ds, name: str, field: str, eval_fraction: float) -> Iterator[Piec
         for text in batch[field]:
             yield _eval_hash(f"{name}#{i}", eval_fraction), _text_of({field: text}, field, f"{name} row {i}"), True
             i += 1
-
-
-def stdlib_files() -> tuple[Path, list[str]]:
-    """The standard library's .py files as train/data.py's "stdlib" corpus lists them: (root, sorted paths)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    rel_paths = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
-        rel_paths += [Path(dirpath, f).relative_to(root).as_posix() for f in filenames if f.endswith(".py")]
-    return root, sorted(rel_paths)

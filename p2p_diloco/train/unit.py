@@ -81,6 +81,9 @@ class SoloUnit:
     def stop(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class RankGroup(SoloUnit):
     """A unit of `world` processes started by torchrun (its environment variables say which rank this is)."""

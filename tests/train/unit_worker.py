@@ -62,8 +62,7 @@ def main(out: str, arch: str, micro_batch: int, rounds: int = 2, inner_steps: in
         theta, vv = learner.replica.snapshot()
         learner.replica.load(theta + 0.01, vv)  # a "remote" move
     unit.stop()
-    if hasattr(unit, "close"):
-        unit.close()
+    unit.close()
     save_file(tensors, out)
     print(json.dumps({"samples_per_s": round(samples / compute_s, 1), "params_M": round(learner.numel / 1e6, 2)}))
 
