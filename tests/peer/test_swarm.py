@@ -4,9 +4,9 @@ One scripted scenario (module fixture) plays the main story once and the tests r
 
     bootstrap; peers A, B, C train until told to finish; peer V trains until it is SIGKILLed (with its DHT
     process and p2pd: a crash) right after its 2nd round; peer J joins once A has a round, syncs state,
-    trains 3 rounds and gets a SIGINT (Ctrl-C) while the others still train; `status` runs while all of
-    them train; then A, B, C get SIGUSR1 (finish the current round, linger until quiet, exit) and their
-    final replicas are compared.
+    trains 3 rounds and gets a SIGINT (Ctrl-C) while the others still train; `status` runs (and ends) while
+    all of them train, before the joiner leaves; then A, B, C get SIGUSR1 (finish the current round, linger
+    until quiet, exit) and their final replicas are compared.
 
 Every wait is on a condition (a log line, a JSON log entry, an exit) with a timeout; every process is
 killed in `finally` (Launcher). The test model is tiny (120k parameters, H=10): rounds take well under a
@@ -64,8 +64,12 @@ def scenario(tmp_path_factory) -> Scenario:
         main[0].wait_rounds(1, START_S)
         s.joiner = launcher.peer("J", bootstrap, rounds=0)
         s.joiner.wait_rounds(1, START_S)
-        # `status` reads the records while everyone trains (a left peer's record stays, marked "left")
+        # `status` reads the records while everyone trains
         status = launcher.start("status", cli("status", "--bootstrap", bootstrap, "--timeout-s", "30"))
+        # status must read before the joiner leaves: its "left" record expires after --record-ttl-s (12 s), and a
+        # loaded CI machine once took longer than that to start `status` (torch, a DHT node)
+        s.extra["status_rc"] = status.wait(120)
+        s.status_output = status.output()
         s.joiner.wait_rounds(3, START_S)
 
         s.interrupted_at = time.monotonic()  # Ctrl-C while everyone trains
@@ -77,8 +81,6 @@ def scenario(tmp_path_factory) -> Scenario:
             proc.finish()
         for proc in main:
             proc.wait(180)
-        s.extra["status_rc"] = status.wait(120)
-        s.status_output = status.output()
         yield s
 
 
