@@ -19,7 +19,7 @@ from p2p_diloco.cli.status import SwarmWatcher, cmd_status
 from p2p_diloco.config import BootstrapConfig, JoinConfig, preset
 
 
-def _fail(command: str, error: BaseException) -> int:
+def _fail(command: str, error: BaseException | str) -> int:
     """One clear line on stderr and exit code 2, as `cli.main` does for its own errors. (Returned rather than
     raised as CliError: under `python -m p2p_diloco.cli.main` the module running `main` is `__main__`, whose
     CliError is another class than the one importable here.)"""
