@@ -217,6 +217,14 @@ class DefenceConfig:
     """Largest gap (in seqs) that is skipped; a larger one waits, as it needs a state sync, not a skip."""
     allowed_senders: tuple[str, ...] = ()
     """PeerIDs allowed to contribute updates, comma-separated (a closed swarm); empty allows every peer."""
+    probation: float = 0.25
+    """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
+    a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
+    min_agreement: float = -0.25
+    """Vetting: an update whose cosine with this replica's reference direction (recent updates in good standing)
+    is below this merges with weight 0 and its author is distrusted; -1 disables."""
+    max_norm_ratio: float = 3.0
+    """Vetting: the same for an update longer than this multiple of the reference's average norm; 0 disables."""
 
     def validate(self) -> None:
         _require(self.norm_bound >= 0 and math.isfinite(self.norm_bound),
@@ -232,6 +240,10 @@ class DefenceConfig:
         _require(self.max_hole_span >= 1, f"defence.max_hole_span must be >= 1, got {self.max_hole_span}")
         _require(all(isinstance(s, str) and s for s in self.allowed_senders),
                  "defence.allowed_senders must be PeerID strings")
+        _require(0 < self.probation <= 1, f"defence.probation must be in (0, 1], got {self.probation}")
+        _require(-1 <= self.min_agreement < 1, f"defence.min_agreement must be in [-1, 1), got {self.min_agreement}")
+        _require(self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
+                 f"defence.max_norm_ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,199 @@
+"""Merge weight earned by contribution (issue 16): what one replica does so that a crowd of fresh identities
+cannot steer the model.
+
+An Ed25519 identity costs microseconds, so in an open run the weight an update merges with cannot rest on
+the sender's word alone: every identity signs itself the full weight (`max_weight`), and K identities would get
+K shares of every outer step. Two rules decide how much of its signed weight an update gets here:
+
+**Probation (deterministic).** An author's k-th update (its signed seq) merges at `probation * 2**(k-1)` of
+its weight, capped at 1: with the default 0.25, at 1/4, 1/2, then in full from the 3rd update on. The seq is
+signed and the same on every replica (the author's own included), so probation keeps the merge rule exact:
+replicas that merged the same set are still equal. An honest volunteer that joins late reaches full weight
+after two updates; a fresh identity's first updates are worth a fraction while it is vetted.
+
+**Vetting (local).** Every payload is compared with this replica's *reference*: an exponential average of
+the payloads of authors in good standing (this peer's own, and authors past probation that were never
+vetoed). A payload that points away from it (cosine below `min_agreement`) or is far longer (norm above
+`max_norm_ratio` times a decaying maximum of the reference's norms) merges with weight 0; after
+`DISTRUST_STRIKES` such updates in a row its author is *distrusted*: every later update of it merges at weight
+0 too. The slot still counts as merged (V advances), so gossip, repair and the vectors work as before; only
+its weight is gone. Sign-flipped updates point away (honest payloads agree with the reference: measured
+cosines in benchmarks/bench_crowd_poison.py), scaled ones are too long; an identity that behaves and attacks
+later is refused from its first bad update on.
+
+Why vetting is local, and what it costs: a score that comes out the same on every peer needs a shared point
+to evaluate at (a loss change on a batch fixed by the spec needs a theta every peer holds; the direction of
+"the others' updates of the same epoch" needs a set every peer holds), and an async swarm has neither while it
+runs. So each replica vets against its own reference, and where two replicas decide differently (a borderline
+cosine, or a replica whose reference is still empty) they differ by that update's weighted payload: at most
+`outer_lr * max_weight * step_ceiling` per coordinate for each such update (the same bound the repair uses).
+An honest swarm never comes near the thresholds, so its replicas stay exactly equal; the benchmark measures the
+divergence under attack.
+
+Votes and the swarm's size come from here too (`proven`, `swarm_size`), never from DHT records, which cost
+nothing to make: see ARCHITECTURE.md "Who counts".
+
+Bounded: the distrusted set holds at most `MAX_DISTRUSTED` authors (oldest forgotten first: a forgotten one
+is vetted again at its next update) and `recent` at most `MAX_STANDING` (the least recent forgotten first).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+MAX_DISTRUSTED = 1 << 16
+MAX_STANDING = 1 << 14
+REFERENCE_DECAY = 0.7
+"""Weight of the old reference when a payload in good standing is folded in (about the last 3 updates)."""
+NORM_DECAY = 0.9
+"""The reference norm is a decaying maximum of the norms folded in: honest norms grow during warm-up and jump
+after a restart, and an average lags behind them (an honest update measured 3.1x an average in a test)."""
+LOG_INTERVAL_S = 10.0
+DISTRUST_STRIKES = 3
+"""Refused updates in a row after which an author is distrusted (all its later updates merge at weight 0). One
+refusal costs only that update: an honest sender's rare borderline update must not cost it the run."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How much of its signed weight one update merges with here, and why."""
+
+    multiplier: float
+    reason: str = ""  # "" (full weight), "probation", "disagrees", "too_long", "distrusted"
+    agreement: float = math.nan  # cosine with the reference (nan: not compared)
+    norm_ratio: float = math.nan
+
+    @property
+    def vetted(self) -> bool:
+        """Compared with a reference and found in line (an unvetted full weight earns no standing)."""
+        return not math.isnan(self.agreement) and self.multiplier > 0
+
+
+def weighted(step: Tensor, multiplier: float) -> Tensor:
+    """`step` at `multiplier` of its weight (itself at 1). A bound on `step` still bounds the result (m <= 1)."""
+    return step if multiplier == 1.0 else step * multiplier
+
+
+def probation_multiplier(seq: int, probation: float) -> float:
+    """The deterministic part: `probation * 2**(seq-1)`, capped at 1 (1 with probation >= 1)."""
+    if probation >= 1.0 or seq >= 64:
+        return 1.0
+    return min(1.0, probation * 2.0 ** (max(1, seq) - 1))
+
+
+class Standing:
+    """One replica's vetting state (see the module docstring). Not thread-safe: the replica calls it under its
+    lock."""
+
+    def __init__(self, *, probation: float, min_agreement: float, max_norm_ratio: float,
+                 self_id: str = "") -> None:
+        if not (0.0 < probation and math.isfinite(probation)):
+            raise ValueError(f"probation must be a positive number, got {probation}")
+        self.probation, self.min_agreement, self.max_norm_ratio = probation, min_agreement, max_norm_ratio
+        self.self_id = self_id
+        self.reference: Tensor | None = None
+        self.reference_norm = 0.0  # decaying maximum of the norms of the payloads folded into the reference
+        self.distrusted: OrderedDict[str, str] = OrderedDict()  # author -> why
+        self.strikes: dict[str, int] = {}  # author -> refusals in a row (insertion order: oldest first)
+        # author -> (time of its last merge here that was not refused, the multiplier it merged at), least
+        # recent first; `good` marks the authors whose last such merge was vetted and at full weight
+        self.recent: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.good: set[str] = set()
+        self.stats: dict[str, int] = {"probation": 0, "disagrees": 0, "too_long": 0, "distrusted": 0}
+        self._logged_at, self._suppressed = -math.inf, 0
+
+    @property
+    def vets(self) -> bool:
+        return self.min_agreement > -1.0 or self.max_norm_ratio > 0
+
+    def judge(self, sender: str, seq: int, delta: Tensor) -> Verdict:
+        """The verdict on `sender`'s update `seq` with decoded payload `delta` (before it merges)."""
+        base = probation_multiplier(seq, self.probation)
+        if sender in self.distrusted:
+            return Verdict(0.0, "distrusted")
+        if sender == self.self_id or self.reference is None or not self.vets:
+            return Verdict(base, "" if base >= 1.0 else "probation")
+        norm = float(delta.norm())
+        ref_norm = float(self.reference.norm())
+        agreement = float(torch.dot(delta, self.reference)) / (norm * ref_norm) if norm > 0 and ref_norm > 0 \
+            else 1.0
+        ratio = norm / self.reference_norm if self.reference_norm > 0 else 1.0
+        if not math.isfinite(agreement) or agreement < self.min_agreement:
+            return Verdict(0.0, "disagrees", agreement, ratio)
+        if self.max_norm_ratio > 0 and ratio > self.max_norm_ratio:
+            return Verdict(0.0, "too_long", agreement, ratio)
+        return Verdict(base, "" if base >= 1.0 else "probation", agreement, ratio)
+
+    def observe(self, sender: str, delta: Tensor, verdict: Verdict, now: float) -> None:
+        """After the merge: count the verdict, distrust a vetoed author, fold a payload in good standing into
+        the reference."""
+        if verdict.reason:
+            self.stats[verdict.reason] += 1
+        if verdict.reason in ("disagrees", "too_long"):
+            strikes = self.strikes.pop(sender, 0) + 1
+            self._log_refusal(sender, verdict, strikes, now)
+            if strikes >= DISTRUST_STRIKES:
+                self.distrusted[sender] = verdict.reason
+                while len(self.distrusted) > MAX_DISTRUSTED:
+                    self.distrusted.popitem(last=False)
+            else:
+                self.strikes[sender] = strikes
+                while len(self.strikes) > MAX_DISTRUSTED:
+                    self.strikes.pop(next(iter(self.strikes)))
+            self.recent.pop(sender, None)
+            self.good.discard(sender)
+            return
+        self.strikes.pop(sender, None)
+        if verdict.multiplier <= 0:
+            return
+        self.recent.pop(sender, None)
+        self.recent[sender] = (now, verdict.multiplier)
+        if verdict.multiplier >= 1.0 and (verdict.vetted or sender == self.self_id):
+            self.good.add(sender)
+        else:
+            self.good.discard(sender)
+        while len(self.recent) > MAX_STANDING:
+            self.good.discard(self.recent.popitem(last=False)[0])
+        if sender == self.self_id or (verdict.multiplier >= 1.0 and verdict.vetted):
+            self._fold(delta)
+
+    def proven(self, now: float, window_s: float) -> set[str]:
+        """Authors in good standing (past probation, vetted, never refused) with an update merged here within
+        `window_s`, this peer included: the members whose votes count (repair's quorum)."""
+        return {a for a in self.good if now - self.recent.get(a, (-math.inf, 0.0))[0] <= window_s}
+
+    def swarm_size(self, now: float, window_s: float) -> float:
+        """How many peers' worth of updates this replica merged within `window_s`: each recent author counts
+        what its next update will merge at (a newcomer on probation a fraction, a distrusted one nothing), this
+        peer 1. What a sender weights its update by (`SwarmView.num_peers`): a refused crowd adds nothing."""
+        others = sum(min(1.0, 2.0 * m) for a, (at, m) in self.recent.items()
+                     if a != self.self_id and now - at <= window_s)
+        return 1.0 + others
+
+    def _log_refusal(self, sender: str, verdict: Verdict, strikes: int, now: float) -> None:
+        """One line per LOG_INTERVAL_S at most (a crowd refused by the thousand must not flood the log)."""
+        self._suppressed += 1
+        if now - self._logged_at < LOG_INTERVAL_S:
+            return
+        logger.warning("update refused by vetting sender=%s reason=%s agreement=%.3f norm_ratio=%.2f strikes=%d "
+                       "(refusals since the last such line: %d)", sender, verdict.reason, verdict.agreement,
+                       verdict.norm_ratio, strikes, self._suppressed)
+        self._logged_at, self._suppressed = now, 0
+
+    def _fold(self, delta: Tensor) -> None:
+        norm = float(delta.norm())
+        if not (norm > 0 and math.isfinite(norm)):
+            return
+        if self.reference is None:
+            self.reference, self.reference_norm = delta.detach().clone(), norm
+            return
+        self.reference.mul_(REFERENCE_DECAY).add_(delta, alpha=1.0 - REFERENCE_DECAY)
+        self.reference_norm = max(norm, NORM_DECAY * self.reference_norm)

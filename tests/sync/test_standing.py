@@ -1,0 +1,179 @@
+"""Merge weight earned by contribution (sync/standing.py): probation by seq is exact on every replica, vetting
+refuses sign-flipped and scaled payloads and leaves honest-looking ones alone, a crowd adds nothing to the
+swarm's size or the votes, and every table stays bounded whatever the number of identities."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_diloco.sync.replica import MergeOutcome, Replica
+from p2p_diloco.sync.standing import DISTRUST_STRIKES, MAX_DISTRUSTED, MAX_STANDING, Standing, probation_multiplier
+
+DIM, OUTER_LR, MAX_WEIGHT = 16, 0.7, 2.0
+
+
+@dataclass(frozen=True)
+class FakeUpdate:
+    sender: str
+    seq: int
+    update_id: bytes
+    weight: float
+    payload: tuple[float, ...]
+    nbytes: int = 4 * DIM
+
+
+def make(sender: str, seq: int, weight: float, *, payload: list[float]) -> FakeUpdate:
+    return FakeUpdate(sender, seq, hashlib.sha256(f"{sender}/{seq}".encode()).digest(), weight, tuple(payload))
+
+
+class FnCodec:
+    def decompress(self, data: tuple[float, ...], numel: int) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.float32)
+
+
+def theta0() -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, DIM)
+
+
+def standing(**kwargs: object) -> Standing:
+    args: dict = dict(probation=0.25, min_agreement=-0.25, max_norm_ratio=3.0, self_id="me")
+    args.update(kwargs)
+    return Standing(**args)
+
+
+def direction(seed: int, base: torch.Tensor | None = None, noise: float = 0.3) -> torch.Tensor:
+    """An 'honest' payload: a shared direction plus noise (cosine ~0.95 with the direction)."""
+    g = torch.Generator().manual_seed(seed)
+    base = base if base is not None else torch.ones(DIM)
+    return base + noise * torch.randn(DIM, generator=g)
+
+
+def replica_with_standing(**kwargs: object) -> Replica:
+    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec())
+    r.standing = standing(**kwargs)
+    return r
+
+
+def test_probation_doubles_to_full_weight_by_the_third_update() -> None:
+    assert [probation_multiplier(k, 0.25) for k in (1, 2, 3, 4, 100)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    assert probation_multiplier(1, 1.0) == 1.0
+    assert probation_multiplier(1, 0.01) == 0.01 and probation_multiplier(8, 0.01) == 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 4)), min_size=1, max_size=12, unique=True),
+       st.randoms(use_true_random=False))
+def test_replicas_merging_one_set_in_any_order_stay_equal_under_probation(slots, rng) -> None:
+    """Probation depends on the signed seq only, so the merge rule stays exact (the invariant of equal replicas);
+    honest-looking payloads are never refused, so vetting changes nothing here either."""
+    updates = [make(s, q, 1.0, payload=direction(hash((s, q)) % 1000).tolist()) for s, q in slots]
+    # every sender's seqs from 1 up, so nothing waits for a gap
+    updates += [make(s, q, 1.0, payload=direction(7 * q).tolist())
+                for s in {s for s, _ in slots} for q in range(1, max(q for t, q in slots if t == s))
+                if (s, q) not in slots]
+    a, b = replica_with_standing(), replica_with_standing()
+    for u in sorted(updates, key=lambda u: (u.sender, u.seq)):
+        assert a.offer(u)[0] is MergeOutcome.MERGED
+    shuffled = list(updates)
+    rng.shuffle(shuffled)
+    for u in shuffled:
+        b.offer(u)
+    assert a.version_vector == b.version_vector
+    torch.testing.assert_close(a.theta, b.theta, rtol=0, atol=1e-5)
+    expected = theta0().double()
+    for u in updates:
+        expected -= OUTER_LR * 1.0 * probation_multiplier(u.seq, 0.25) * torch.tensor(u.payload).double()
+    torch.testing.assert_close(a.theta, expected.float(), rtol=0, atol=1e-5)
+
+
+def _with_reference(s: Standing, n: int = 3) -> None:
+    for i in range(n):  # our own updates are the first reference
+        delta = direction(100 + i)
+        s.observe("me", delta, s.judge("me", i + 1, delta), now=float(i))
+
+
+@pytest.mark.parametrize("attack, reason", [(lambda d: -d, "disagrees"), (lambda d: 5 * d, "too_long")])
+def test_sign_flipped_and_scaled_payloads_are_refused_then_their_author_distrusted(attack, reason) -> None:
+    s = standing()
+    _with_reference(s)
+    for k in range(1, DISTRUST_STRIKES + 1):
+        verdict = s.judge("evil", 10 + k, attack(direction(k)))
+        assert verdict.multiplier == 0 and verdict.reason == reason, verdict
+        s.observe("evil", attack(direction(k)), verdict, now=10.0 + k)
+    assert "evil" in s.distrusted
+    honest_looking = direction(99)  # once distrusted, even a good-looking update counts nothing
+    assert s.judge("evil", 20, honest_looking).multiplier == 0
+
+
+def test_one_refusal_costs_that_update_only() -> None:
+    """An honest sender's rare borderline update must not cost it the run: strikes reset on a good update."""
+    s = standing()
+    _with_reference(s)
+    for k in range(3 * DISTRUST_STRIKES):
+        delta = -direction(k) if k % 2 == 0 else direction(k)
+        s.observe("noisy", delta, s.judge("noisy", 10 + k, delta), now=10.0 + k)
+    assert "noisy" not in s.distrusted
+    assert s.judge("noisy", 50, direction(50)).multiplier == 1.0
+
+
+def test_honest_looking_updates_pass_and_earn_standing_and_votes() -> None:
+    s = standing()
+    assert s.judge("b", 1, direction(1)).reason == "probation"  # no reference yet: probation only, unvetted
+    s.observe("b", direction(1), s.judge("b", 5, direction(1)), now=0.0)
+    assert "b" not in s.proven(now=0.0, window_s=10)  # full weight but unvetted: no vote
+    _with_reference(s)
+    for k, seq in enumerate((6, 7)):
+        verdict = s.judge("b", seq, direction(k))
+        assert verdict.multiplier == 1.0 and verdict.vetted and verdict.agreement > 0.5
+        s.observe("b", direction(k), verdict, now=5.0)
+    assert s.proven(now=10.0, window_s=10) == {"b", "me"}
+    assert s.proven(now=100.0, window_s=10) == set()  # votes are for recent contributors only
+
+
+def test_a_refused_crowd_adds_nothing_to_the_swarm_size() -> None:
+    s = standing()
+    _with_reference(s)
+    s.observe("b", direction(5), s.judge("b", 9, direction(5)), now=3.0)  # one honest peer in good standing
+    s.observe("new", direction(6), s.judge("new", 1, direction(6)), now=3.0)  # one newcomer on its 1st update
+    for i in range(200):
+        delta = -direction(1000 + i)
+        s.observe(f"sybil{i}", delta, s.judge(f"sybil{i}", 40, delta), now=3.0)
+    # me 1 + b 1 + the newcomer's next update (at 0.5); the 200 sybils nothing
+    assert s.swarm_size(now=4.0, window_s=10) == pytest.approx(2.5)
+    assert s.proven(now=4.0, window_s=10) == {"me", "b"}
+
+
+def test_tables_stay_bounded_whatever_the_number_of_identities(monkeypatch) -> None:
+    """The bounds are module constants (2**16 and 2**14); at 1/64 of them, 16x as many identities as fit."""
+    import p2p_diloco.sync.standing as module
+
+    monkeypatch.setattr(module, "MAX_DISTRUSTED", MAX_DISTRUSTED // 64)
+    monkeypatch.setattr(module, "MAX_STANDING", MAX_STANDING // 64)
+    s = standing()
+    _with_reference(s)
+    bad, good = -direction(1), direction(2)
+    rng = random.Random(0)
+    for i in range(16 * MAX_STANDING // 64):
+        delta = bad if rng.random() < 0.5 else good
+        sender = f"id{i}"
+        for seq in range(3, 3 + rng.choice((1, DISTRUST_STRIKES))):  # some strike out, some stay on a strike
+            s.observe(sender, delta, s.judge(sender, seq, delta), now=float(i))
+    assert len(s.recent) <= MAX_STANDING // 64 and s.good <= set(s.recent)
+    assert len(s.strikes) <= MAX_DISTRUSTED // 64 and len(s.distrusted) <= MAX_DISTRUSTED // 64
+    assert len(s.distrusted) > 0 and len(s.good) > 0
+
+
+def test_take_back_removes_exactly_what_a_probation_merge_added() -> None:
+    """`unmerge` (equivocation repair) must subtract the update at the multiplier it earned when it merged."""
+    r = replica_with_standing()
+    first = make("x", 1, 1.0, payload=direction(3).tolist())
+    assert r.offer(first)[0] is MergeOutcome.MERGED
+    assert r.unmerge(first)
+    torch.testing.assert_close(r.theta, theta0(), rtol=0, atol=1e-6)
