@@ -21,7 +21,8 @@ numel, the vector's syntax; then every chunk against its digest and every value 
 drops that donor (the reason is logged, and counted against the donor by the guard: `bad_manifest`,
 `bad_chunk`, `nonfinite_chunk`, or how the call failed), and the joiner starts over with the next one. A
 donor that served something unverifiable is also penalized: it is not asked again for a while, so a hostile
-donor that claims the freshest replica costs each joiner one attempt. After loading the snapshot, the joiner
+donor that claims the freshest replica costs each joiner one attempt. A donor whose snapshot verified is
+credited in the guard's ledger (a contributor: its pulls and requests go first). After loading the snapshot, the joiner
 pulls the updates newer than its V by gossip.
 """
 
@@ -226,6 +227,8 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
                     guard.penalize(donor, reason)
             continue
         elapsed_s = time.monotonic() - started
+        if guard is not None:  # it gave us a verified state: a contributor (net/admission/ledger.py)
+            guard.ledger.gave_snapshot(donor, len(buffer))
         logger.info("state sync done donor=%s numel=%d updates=%d took_s=%.2f mb_per_s=%.1f", donor, numel,
                     manifest.version_vector.total(), elapsed_s, len(buffer) / 1e6 / max(elapsed_s, 1e-9))
         return theta, manifest.version_vector, donor

@@ -7,7 +7,11 @@ chunk of a snapshot no longer held is refused, and the joiner moves on. Requests
 the last snapshot, or while the replica has not changed, share it.
 
 Both RPCs are served behind the peer's guard (access, per-peer rate limits on requests and bytes, a minimum
-pace), so a joiner that asks for chunk after chunk cannot take the donor's uplink from everyone else.
+pace), so a joiner that asks for chunk after chunk cannot take the donor's uplink from everyone else. Each
+request is also admitted only within the uplink's share its caller draws from (net/admission/uplink.py): a
+joiner has given nothing yet, so all joiners together share the newcomers' part ("busy: ..." when spent). What
+is served goes into the guard's ledger: a chunk index the same remote had from us before (of any snapshot:
+a remote fetching snapshots in a loop) is a re-serve and costs it more.
 """
 
 from __future__ import annotations
@@ -121,6 +125,8 @@ class SnapshotServer:
         async with self._snapshot_lock:  # one snapshot at a time, however many joiners ask
             snapshot = self._reusable() or await self._take_snapshot()
         self.stats["manifests_served"] += 1
+        if self.guard is not None:
+            self.guard.ledger.served(caller, len(snapshot.response))
         logger.info("state sync manifest served joiner=%s snapshot_id=%s numel=%d", caller, snapshot.snapshot_id,
                     self.numel)
         return snapshot.response
@@ -147,6 +153,8 @@ class SnapshotServer:
         chunk = self._read_chunk(snapshot, index)
         self.stats["chunks_served"] += 1
         self.stats["bytes_sent"] += len(chunk)
+        if self.guard is not None:
+            self.guard.ledger.served_chunk(caller, index, len(chunk))
         return chunk
 
     # ---- seams (overridden by fault-injecting tests) --------------------------------------------------------
