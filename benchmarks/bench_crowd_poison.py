@@ -4,7 +4,8 @@ The in-process swarm (sim/crowd.py `CrowdSwarm`, the real sign-verify-merge path
 3 honest peers and a crowd on top that spends none of the token budget: every time honest peer 0 publishes,
 each identity re-signs that update tampered (sign_flip: negated; scale5: x5, which the default norm bound
 already bans; scale5-nobound: x5 with the norm bound off, so only vetting stands in the way; scale2: x2, under
-every threshold: the residual) under its own key, at the full weight, to every honest peer. Two defences:
+every threshold; noise: a random direction at the honest update's norm, which no cosine test refuses: these two
+are the residual) under its own key, at the full weight, to every honest peer. Two defences:
 
     today     what main did before issue 16: no probation, no vetting, and every identity with a record counts
               in the swarm's size (`count=records`)
@@ -36,7 +37,7 @@ from p2p_diloco.sync.standing import probation_multiplier
 from p2p_diloco.train.data import load_corpus
 
 ATTACKS = {"sign_flip": ("sign_flip", 1.0, 1.0), "scale5": ("scale", 5.0, 1.0),
-           "scale5-nobound": ("scale", 5.0, 0.0), "scale2": ("scale", 2.0, 1.0)}
+           "scale5-nobound": ("scale", 5.0, 0.0), "scale2": ("scale", 2.0, 1.0), "noise": ("noise", 1.0, 1.0)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0),
             "standing": {}}
 _CORPUS: dict = {}
@@ -64,7 +65,7 @@ def run_one(job: dict) -> dict:
     swarm = CrowdSwarm(spec, sim, _CORPUS["corpus"], CrowdAttack(job["crowd"], mode, factor, count))
     try:
         result = swarm.run()
-    except RuntimeError as e:  # e.g. a replica pushed so far that an honest peer's own update fails the bound
+    except Exception as e:  # noqa: BLE001 (a replica pushed so far that an honest update fails its checks)
         return {**job, "wall_s": round(time.time() - t0, 1), "eval_loss": float("inf"), "divergence": float("nan"),
                 "finite": False, "error": str(e), **swarm.crowd_summary()}
     summary = swarm.honest_summary(result)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.adversary import HostileSwarm
 from p2p_diloco.sim.swarm import SimPeer
@@ -31,7 +33,7 @@ PROVEN_WINDOW_ROUNDS = 8
 @dataclass(frozen=True)
 class CrowdAttack:
     size: int
-    mode: str = "sign_flip"  # sign_flip | scale
+    mode: str = "sign_flip"  # sign_flip | scale | noise (random direction, honest norm x factor) | mixed
     factor: float = 5.0
     count: str = "proven"  # proven | records: who counts in the swarm's size
 
@@ -44,6 +46,7 @@ class CrowdSwarm(HostileSwarm):
         self.attack = attack
         self.crowd = [Identity.generate() for _ in range(attack.size)]
         self.crowd_seq = [0] * attack.size
+        self.noise_rng = torch.Generator().manual_seed(spec.seed + 1)
         super().__init__(spec, sim, corpus, progress=progress)
 
     def _add_peer(self, speed: float, state=None) -> SimPeer:  # noqa: ANN001
@@ -61,9 +64,15 @@ class CrowdSwarm(HostileSwarm):
     def _crowd_publishes(self, source: SimPeer, honest: OuterUpdate) -> None:
         codec, h = source.learner.codec, honest.header
         d = codec.decompress(honest.payload, h.numel)
-        payload = codec.compress(-d if self.attack.mode == "sign_flip" else d * self.attack.factor)
+        flipped, scaled = codec.compress(-d), codec.compress(d * self.attack.factor)
         targets = [p for p in self._alive() if p is not source] + [source]
         for i, identity in enumerate(self.crowd):
+            mode = self.attack.mode if self.attack.mode != "mixed" else ("sign_flip", "scale")[i % 2]
+            if mode == "noise":  # a random direction at the honest norm: no cosine test can tell it apart
+                noise = torch.randn(d.numel(), generator=self.noise_rng)
+                payload = codec.compress(noise * (d.norm() / noise.norm()) * self.attack.factor)
+            else:
+                payload = flipped if mode == "sign_flip" else scaled
             self.crowd_seq[i] += 1
             forged = make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=self.crowd_seq[i], tau=h.tau,
                                  samples=h.samples, weight=self.spec.outer.max_weight, codec=h.codec, numel=h.numel,
