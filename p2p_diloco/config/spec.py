@@ -224,7 +224,10 @@ class DefenceConfig:
     """Vetting: an update whose cosine with this replica's reference direction (recent updates in good standing)
     is below this merges with weight 0 and its author is distrusted; -1 disables."""
     max_norm_ratio: float = 3.0
-    """Vetting: the same for an update longer than this multiple of the reference's average norm; 0 disables."""
+    """Vetting: the same for an update longer than this multiple of the reference's recent norms; 0 disables."""
+    full_agreement: float = 0.1
+    """An author's updates merge at 0 while the average cosine of its updates with the reference is below this
+    (noise at an honest norm averages ~0; honest updates 0.3-0.5); 0 disables."""
 
     def validate(self) -> None:
         _require(self.norm_bound >= 0 and math.isfinite(self.norm_bound),
@@ -242,6 +245,7 @@ class DefenceConfig:
                  "defence.allowed_senders must be PeerID strings")
         _require(0 < self.probation <= 1, f"defence.probation must be in (0, 1], got {self.probation}")
         _require(-1 <= self.min_agreement < 1, f"defence.min_agreement must be in [-1, 1), got {self.min_agreement}")
+        _require(0 <= self.full_agreement < 1, f"defence.full_agreement must be in [0, 1), got {self.full_agreement}")
         _require(self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
                  f"defence.max_norm_ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}")
 

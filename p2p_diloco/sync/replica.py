@@ -122,7 +122,7 @@ class Replica:
                            max_hole_span=spec.defence.max_hole_span)
         d = spec.defence
         replica.standing = Standing(probation=d.probation, min_agreement=d.min_agreement,
-                                    max_norm_ratio=d.max_norm_ratio, self_id=self_id)
+                                    max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id)
         return replica
 
     def bind_rules(self, policy: MergePolicy, *, gap_timeout_s: float, max_hole_span: int,

@@ -19,7 +19,12 @@ vetoed). A payload that points away from it (cosine below `min_agreement`) or is
 0 too. The slot still counts as merged (V advances), so gossip, repair and the vectors work as before; only
 its weight is gone. Sign-flipped updates point away (honest payloads agree with the reference: measured
 cosines in benchmarks/bench_crowd_poison.py), scaled ones are too long; an identity that behaves and attacks
-later is refused from its first bad update on.
+later is refused from its first bad update on. Between the two, an author's weight follows how its updates
+fare: while the average of its updates' cosines with the reference (each counts half) is below
+`full_agreement`, they merge at 0 ("low_agreement", no strike: the average may recover). Honest authors average
+0.3-0.5, far above 0.1, so they merge in full on every replica; noise at an honest update's length averages ~0
+and is out from its second update on, everywhere alike (all or nothing: a weight in proportion to the average
+differed between replicas by 1-2% of theta under a noise crowd).
 
 Why vetting is local, and what it costs: a score that comes out the same on every peer needs a shared point
 to evaluate at (a loss change on a batch fixed by the spec needs a theta every peer holds; the direction of
@@ -57,6 +62,11 @@ NORM_DECAY = 0.9
 """The reference norm is a decaying maximum of the norms folded in: honest norms grow during warm-up and jump
 after a restart, and an average lags behind them (an honest update measured 3.1x an average in a test)."""
 LOG_INTERVAL_S = 10.0
+AGREEMENT_DECAY = 0.5
+"""An author's average agreement: each update's cosine counts half, the past the other half."""
+AGREEMENT_PRIOR = 0.3
+"""A new author's average before its first compared update (optimistic: 3x the default full_agreement, so a
+first update is refused for its average only if it points away)."""
 DISTRUST_STRIKES = 3
 """Refused updates in a row after which an author is distrusted (all its later updates merge at weight 0). One
 refusal costs only that update: an honest sender's rare borderline update must not cost it the run."""
@@ -67,9 +77,10 @@ class Verdict:
     """How much of its signed weight one update merges with here, and why."""
 
     multiplier: float
-    reason: str = ""  # "" (full weight), "probation", "disagrees", "too_long", "distrusted"
+    reason: str = ""  # "" (full weight), "probation", "low_agreement", "disagrees", "too_long", "distrusted"
     agreement: float = math.nan  # cosine with the reference (nan: not compared)
     norm_ratio: float = math.nan
+    average: float = math.nan  # the author's average agreement, this update included (nan: not compared)
 
     @property
     def vetted(self) -> bool:
@@ -94,10 +105,12 @@ class Standing:
     lock."""
 
     def __init__(self, *, probation: float, min_agreement: float, max_norm_ratio: float,
-                 self_id: str = "") -> None:
+                 full_agreement: float = 0.0, self_id: str = "") -> None:
         if not (0.0 < probation and math.isfinite(probation)):
             raise ValueError(f"probation must be a positive number, got {probation}")
         self.probation, self.min_agreement, self.max_norm_ratio = probation, min_agreement, max_norm_ratio
+        self.full_agreement = full_agreement
+        self.averages: OrderedDict[str, float] = OrderedDict()  # author -> average agreement, least recent first
         self.self_id = self_id
         self.reference: Tensor | None = None
         self.reference_norm = 0.0  # decaying maximum of the norms of the payloads folded into the reference
@@ -107,12 +120,13 @@ class Standing:
         # recent first; `good` marks the authors whose last such merge was vetted and at full weight
         self.recent: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.good: set[str] = set()
-        self.stats: dict[str, int] = {"probation": 0, "disagrees": 0, "too_long": 0, "distrusted": 0}
+        self.stats: dict[str, int] = {"probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
+                                      "distrusted": 0}
         self._logged_at, self._suppressed = -math.inf, 0
 
     @property
     def vets(self) -> bool:
-        return self.min_agreement > -1.0 or self.max_norm_ratio > 0
+        return self.min_agreement > -1.0 or self.max_norm_ratio > 0 or self.full_agreement > 0
 
     def judge(self, sender: str, seq: int, delta: Tensor) -> Verdict:
         """The verdict on `sender`'s update `seq` with decoded payload `delta` (before it merges)."""
@@ -126,17 +140,27 @@ class Standing:
         agreement = float(torch.dot(delta, self.reference)) / (norm * ref_norm) if norm > 0 and ref_norm > 0 \
             else 1.0
         ratio = norm / self.reference_norm if self.reference_norm > 0 else 1.0
-        if not math.isfinite(agreement) or agreement < self.min_agreement:
-            return Verdict(0.0, "disagrees", agreement, ratio)
+        if not math.isfinite(agreement):
+            return Verdict(0.0, "disagrees", -1.0, ratio, -1.0)
+        average = AGREEMENT_DECAY * self.averages.get(sender, AGREEMENT_PRIOR) + (1 - AGREEMENT_DECAY) * agreement
+        if agreement < self.min_agreement:
+            return Verdict(0.0, "disagrees", agreement, ratio, average)
         if self.max_norm_ratio > 0 and ratio > self.max_norm_ratio:
-            return Verdict(0.0, "too_long", agreement, ratio)
-        return Verdict(base, "" if base >= 1.0 else "probation", agreement, ratio)
+            return Verdict(0.0, "too_long", agreement, ratio, average)
+        if average < self.full_agreement:  # all or nothing: a fraction would differ between replicas
+            return Verdict(0.0, "low_agreement", agreement, ratio, average)
+        return Verdict(base, "" if base >= 1.0 else "probation", agreement, ratio, average)
 
     def observe(self, sender: str, delta: Tensor, verdict: Verdict, now: float) -> None:
         """After the merge: count the verdict, distrust a vetoed author, fold a payload in good standing into
         the reference."""
         if verdict.reason:
             self.stats[verdict.reason] += 1
+        if not math.isnan(verdict.average) and sender != self.self_id:
+            self.averages.pop(sender, None)
+            self.averages[sender] = verdict.average
+            while len(self.averages) > MAX_STANDING:
+                self.averages.popitem(last=False)
         if verdict.reason in ("disagrees", "too_long"):
             strikes = self.strikes.pop(sender, 0) + 1
             self._log_refusal(sender, verdict, strikes, now)
@@ -152,7 +176,9 @@ class Standing:
             self.good.discard(sender)
             return
         self.strikes.pop(sender, None)
-        if verdict.multiplier <= 0:
+        if verdict.multiplier <= 0:  # low agreement (or distrusted): counts in nothing until it earns it again
+            self.recent.pop(sender, None)
+            self.good.discard(sender)
             return
         self.recent.pop(sender, None)
         self.recent[sender] = (now, verdict.multiplier)

@@ -1,0 +1,38 @@
+"""Issue 16's poisoning test, the fast representative (benchmarks/bench_crowd_poison.py has the table): 10 fresh
+identities re-sign sign-flipped or x5 copies of an honest peer's updates at the full weight, against 3 honest
+peers. The honest replicas must lose at most 5% eval loss against the clean run, stay equal, and end up
+distrusting every one of them. The norm bound is off in both runs, so that vetting alone stands in the way of
+the x5 copies (with it on, they are banned before they merge)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from p2p_diloco.config import DefenceConfig, SimConfig, preset
+from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
+from p2p_diloco.train.data import load_corpus
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(crowd: int) -> tuple[CrowdSwarm, dict]:
+    base = preset("test")
+    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=120),
+                               defence=DefenceConfig(norm_bound=0.0))
+    sim = SimConfig(peers=3, total_steps=360, eval_batches=8, eval_every_s=360.0)
+    swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "mixed", 5.0))
+    return swarm, swarm.honest_summary(swarm.run())
+
+
+def test_ten_poisoning_identities_cost_the_honest_replicas_at_most_five_percent() -> None:
+    _, clean = _run(0)
+    swarm, attacked = _run(10)
+    assert attacked["finite"] and attacked["eval_loss"] <= 1.05 * clean["eval_loss"], (clean, attacked)
+    assert attacked["divergence"] < 1e-5  # the replicas stay equal
+    crowd = {identity.peer_id for identity in swarm.crowd}
+    for peer in swarm._alive():
+        assert crowd <= set(peer.learner.replica.standing.distrusted), "an identity kept its weight somewhere"
+    verdicts = swarm.crowd_summary()["verdicts"]
+    assert verdicts["disagrees"] > 0 and verdicts["too_long"] > 0  # both attacks were met, by their own test
