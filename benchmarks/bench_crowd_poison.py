@@ -73,6 +73,46 @@ def run_one(job: dict) -> dict:
             "divergence": summary["divergence"], "finite": summary["finite"], **swarm.crowd_summary()}
 
 
+def late_volunteer(preset_name: str, inner_steps: int, steps_per_peer: int, crowd: int) -> dict:
+    """A 4th honest peer joins halfway through (state sync from a live one) while a sign-flipping crowd attacks:
+    the multiplier each of its updates merged at on the other honest replicas, by seq."""
+    import logging
+
+    import torch
+
+    from p2p_diloco.sync import standing as standing_module
+
+    torch.set_num_threads(1)
+    logging.getLogger("p2p_diloco").setLevel(logging.ERROR)
+    base = preset(preset_name)
+    inner = dataclasses.replace(base.inner, inner_steps=inner_steps, decay_steps=steps_per_peer)
+    spec = dataclasses.replace(base, inner=inner)
+    total = 4 * steps_per_peer
+    sim = SimConfig(peers=3, total_steps=total, eval_batches=8, eval_every_s=float(total),
+                    join=(str(steps_per_peer / 2),))
+    seen: list[tuple[str, str, int, float]] = []  # (judging replica, sender, seq, multiplier)
+    judge = standing_module.Standing.judge
+
+    def recording(self, sender, seq, delta):  # noqa: ANN001
+        verdict = judge(self, sender, seq, delta)
+        seen.append((self.self_id, sender, seq, verdict.multiplier))
+        return verdict
+
+    standing_module.Standing.judge = recording  # type: ignore[method-assign]
+    try:
+        swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "sign_flip"))
+        swarm.run()
+    finally:
+        standing_module.Standing.judge = judge  # type: ignore[method-assign]
+    joiner = swarm.peers[3].learner.peer_id
+    others = {p.learner.peer_id for p in swarm.peers[:3]}
+    by_seq: dict[int, list[float]] = {}
+    for judge_id, sender, seq, multiplier in seen:
+        if sender == joiner and judge_id in others:
+            by_seq.setdefault(seq, []).append(multiplier)
+    return {"crowd": crowd, "multipliers_by_seq": {k: sorted(v) for k, v in sorted(by_seq.items())}}
+
+
 def table(rows: list[dict], crowds: list[int], attacks: list[str]) -> str:
     def median(key: str, **match: object) -> float:
         vals = [r[key] for r in rows if all(r[k] == v for k, v in match.items())]
@@ -129,9 +169,15 @@ def main() -> int:
                   f"({row['wall_s']}s)", flush=True)
     ramp = [probation_multiplier(k, DefenceConfig().probation) for k in range(1, 6)]
     late = next(k for k, m in enumerate(ramp, 1) if m >= 1.0)
+    volunteer = late_volunteer(args.preset, args.inner_steps, args.steps_per_peer, max(crowds))
+    seen = "; ".join(f"update {k}: {', '.join(f'{m:g}' for m in v)}" for k, v in
+                     volunteer["multipliers_by_seq"].items())
     md = table(rows, crowds, attacks) + (
         f"\n\nA late honest volunteer's k-th update merges at {', '.join(f'{m:g}' for m in ramp)} of its weight "
-        f"(k = 1..5): full weight from its update {late} on, on every replica alike.\n")
+        f"(k = 1..5): full weight from its update {late} on, on every replica alike. Measured: a 4th honest peer "
+        f"joining halfway through, with {max(crowds)} sign-flipping identities attacking, merged on the 3 "
+        f"other replicas at {seen}.\n")
+    rows.append({"late_volunteer": volunteer})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -256,9 +256,14 @@ class PeerNetwork:
         remembered (`sync_donor`): gossip pulls from it first, so catching up need not wait for anti-entropy."""
         from p2p_diloco.net.statesync.client import fetch_snapshot
 
+        manifests: list = []
         theta, vv, donor = await fetch_snapshot(self.node, self.run_id, self.spec_hash, donors, learner.numel,
-                                                self.sync_config, guard=self.guard, on_progress=self.sync_progress)
+                                                self.sync_config, guard=self.guard, on_progress=self.sync_progress,
+                                                on_manifest=manifests.append)
         learner.replica.load(theta, vv)
+        if learner.replica.standing is not None and manifests:  # whom to merge before we can vet (standing.py)
+            with learner.replica.lock:
+                learner.replica.standing.inherit(manifests[0].trusted, manifests[0].distrusted)
         self.sync_donor = donor  # serve() pulls from it at once: catch-up need not wait for anti-entropy
         return donor, vv, theta.numel()
 

@@ -21,6 +21,7 @@ import torch
 from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.adversary import HostileSwarm
 from p2p_diloco.sim.swarm import SimPeer
+from p2p_diloco.sync.standing import MAX_INHERITED
 from p2p_diloco.train.data import Corpus
 from p2p_diloco.train.learner import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
@@ -60,6 +61,22 @@ class CrowdSwarm(HostileSwarm):
 
             peer.exchange.publish = publish  # type: ignore[method-assign]
         return peer
+
+    def _join(self) -> None:
+        """AsyncSwarm._join, plus what the real joiner does: it inherits its donor's standing with the snapshot
+        (net/statesync/server.py), before it merges the donor's newer updates."""
+        alive = self._alive()
+        if not alive:
+            return
+        donor = self.rng.choice(alive)
+        peer = self._add_peer(1.0, state=donor.learner.replica.snapshot())
+        if donor.learner.replica.standing is not None and peer.learner.replica.standing is not None:
+            peer.learner.replica.standing.inherit(*donor.learner.replica.standing.inheritance(MAX_INHERITED))
+        sync_s = peer.learner.numel * 4 / self.net.bytes_per_s + self.sim.latency_s
+        self.net.bytes_sent[donor.learner.peer_id] += peer.learner.numel * 4
+        for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):
+            peer.intake.receive(encode_update(update))
+        self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
 
     def _crowd_publishes(self, source: SimPeer, honest: OuterUpdate) -> None:
         codec, h = source.learner.codec, honest.header

@@ -54,6 +54,8 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
+MAX_INHERITED = 512
+"""Authors of each kind a donor passes to a joiner (`inheritance`), the most recent first."""
 MAX_DISTRUSTED = 1 << 16
 MAX_STANDING = 1 << 14
 REFERENCE_DECAY = 0.7
@@ -121,8 +123,11 @@ class Standing:
         self.recent: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.good: set[str] = set()
         self.stats: dict[str, int] = {"probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
-                                      "distrusted": 0}
+                                      "distrusted": 0, "unvetted": 0}
         self._logged_at, self._suppressed = -math.inf, 0
+        # Authors a joiner merges before it can vet (its reference forms with its own first update): its donor's
+        # good standing (`inherit`). None: no donor's word (a fresh run, a restart), every author merges unvetted.
+        self.inherited: set[str] | None = None
 
     @property
     def vets(self) -> bool:
@@ -133,6 +138,9 @@ class Standing:
         base = probation_multiplier(seq, self.probation)
         if sender in self.distrusted:
             return Verdict(0.0, "distrusted")
+        if self.reference is None and self.inherited is not None and sender != self.self_id \
+                and sender not in self.inherited:
+            return Verdict(0.0, "unvetted")  # a joiner before its first update: only its donor's trusted authors
         if sender == self.self_id or self.reference is None or not self.vets:
             return Verdict(base, "" if base >= 1.0 else "probation")
         norm = float(delta.norm())
@@ -190,6 +198,24 @@ class Standing:
             self.good.discard(self.recent.popitem(last=False)[0])
         if sender == self.self_id or (verdict.multiplier >= 1.0 and verdict.vetted):
             self._fold(delta)
+
+    def inheritance(self, limit: int) -> tuple[list[str], list[str]]:
+        """(authors in good standing, distrusted authors), the `limit` most recent of each, this peer among the
+        good: what a joiner syncing from us merges before its own first update (`inherit`)."""
+        good = [a for a in reversed(self.recent) if a in self.good][:limit]
+        return good, list(reversed(self.distrusted))[:limit]
+
+    def inherit(self, good: list[str] | tuple[str, ...], distrusted: list[str] | tuple[str, ...]) -> None:
+        """A donor's word, after a state sync: until our own first update gives us a reference, only its authors
+        in good standing merge (at their probation by seq), and its distrusted never do. Without it a joiner
+        would merge a crowd's updates unvetted, at full weight past their probation, and be poisoned at once
+        (measured: a late volunteer under 10 sign-flipping identities was then refused by everyone)."""
+        self.inherited = set(good)
+        for author in distrusted:
+            if author != self.self_id:
+                self.distrusted[author] = "inherited"
+        while len(self.distrusted) > MAX_DISTRUSTED:
+            self.distrusted.popitem(last=False)
 
     def proven(self, now: float, window_s: float) -> set[str]:
         """Authors in good standing (past probation, vetted, never refused) with an update merged here within

@@ -197,3 +197,24 @@ def test_noise_at_an_honest_length_is_out_from_its_second_update() -> None:
     assert "noise" not in s.distrusted and s.swarm_size(now=9.0, window_s=100) == 1.0  # no strikes, no weight
     honest = direction(77)
     assert s.judge("honest", 9, honest).multiplier == 1.0 and s.judge("honest", 9, honest).average > 0.3
+
+
+def test_a_joiner_merges_only_its_donors_trusted_authors_until_it_can_vet() -> None:
+    """Before its own first update a joiner has no reference: without its donor's word it would merge a crowd's
+    updates unvetted (at full weight past their probation) and be poisoned at once."""
+    donor = standing()
+    _with_reference(donor)
+    donor.observe("b", direction(1), donor.judge("b", 7, direction(1)), now=1.0)
+    for k in range(DISTRUST_STRIKES):
+        donor.observe("evil", -direction(k), donor.judge("evil", 10 + k, -direction(k)), now=2.0)
+    good, distrusted = donor.inheritance(limit=10)
+    assert set(good) == {"me", "b"} and distrusted == ["evil"]
+
+    joiner = standing(self_id="j")
+    joiner.inherit(good, distrusted)
+    assert joiner.judge("b", 8, direction(2)).multiplier == 1.0  # trusted by the donor: merges (unvetted)
+    assert joiner.judge("evil", 13, direction(2)).multiplier == 0.0  # distrusted by the donor
+    assert joiner.judge("stranger", 40, -direction(3)).reason == "unvetted"  # unknown: waits for our reference
+    joiner.observe("j", direction(4), joiner.judge("j", 1, direction(4)), now=3.0)  # our own first update
+    assert joiner.judge("stranger", 41, direction(5)).multiplier == 1.0  # now vetted like anyone
+    assert joiner.judge("stranger", 42, -direction(5)).reason == "disagrees"

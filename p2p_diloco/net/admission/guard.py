@@ -228,6 +228,11 @@ class PeerGuard:
         remote.streams += 1
         return None
 
+    def is_contributor(self, caller: str) -> bool:
+        """The ledger's word (net/admission/ledger.py): `caller` gave us verified data (the RPC layer keeps half
+        of each handler's slots for such callers)."""
+        return self.ledger.is_contributor(caller)
+
     def release(self, caller: str) -> None:
         remote = self._find(caller)
         if remote is not None and remote.streams > 0:

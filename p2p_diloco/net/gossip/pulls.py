@@ -287,8 +287,8 @@ class Puller:
     def _record_failure(self, peer: str, kind: str) -> None:
         """Into the ledger; and back off, unless the data was invalid (the guard's penalty covers that)."""
         self.ledger.failed(peer, kind)
-        if kind != "invalid":
-            self.slots.failed(peer, time.monotonic())
+        if kind != "invalid":  # a contributor that was busy (a crowd may keep it so) is asked again soon
+            self.slots.failed(peer, time.monotonic(), grow=not (kind == "refused" and self.ledger.is_contributor(peer)))
 
 
 def min_bytes_per_s(guard: Any) -> float:

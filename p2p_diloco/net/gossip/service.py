@@ -102,6 +102,9 @@ __all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # conf
 logger = logging.getLogger(__name__)
 
 MAX_ANNOUNCE_TASKS = 64
+NEWCOMER_PICK_EVERY = 4
+"""With contributors enough to fill an announce or anti-entropy pick, one pick in this many includes a peer we
+have no record of (a new honest peer is reached; a crowd of records gets a quarter of one pick)."""
 """Announces in flight, at most; more are dropped and counted."""
 MAX_CONCURRENT_ANNOUNCES_SERVED = 64
 """Incoming announces handled at once (each is tiny; more are refused as busy)."""
@@ -354,4 +357,15 @@ class Gossip:
         skip = {self.node.peer_id, *exclude}
         candidates = [p for p in peers if isinstance(p, str) and p not in skip
                       and (self.guard is None or not self.guard.is_penalized(p))]
-        return self._rng.sample(candidates, min(k, len(candidates)))
+        if self.guard is None:
+            return self._rng.sample(candidates, min(k, len(candidates)))
+        # Peers we trade with first (issue 16): records cost nothing, and a crowd of them in the view would
+        # otherwise take almost every announce and anti-entropy pull. One pick in NEWCOMER_PICK_EVERY still goes
+        # to anyone, so a new honest peer is reached too.
+        contributors = [p for p in candidates if self.guard.is_contributor(p)]
+        others = [p for p in candidates if not self.guard.is_contributor(p)]
+        picked = self._rng.sample(contributors, min(k, len(contributors)))
+        if others and (len(picked) < k or self._rng.random() < 1 / NEWCOMER_PICK_EVERY):
+            extra = self._rng.sample(others, min(max(1, k - len(picked)), len(others)))
+            picked = (picked + extra)[-k:] if len(picked) >= k else picked + extra
+        return picked[:k]

@@ -61,10 +61,11 @@ class PullSlots:
 
     # ---- backoff ------------------------------------------------------------------------------------------
 
-    def failed(self, peer: str, now: float) -> float:
-        """A pull from `peer` failed or brought nothing it claimed: back off (doubling); returns the delay."""
+    def failed(self, peer: str, now: float, *, grow: bool = True) -> float:
+        """A pull from `peer` failed or brought nothing it claimed: back off (doubling; `grow=False`: the
+        shortest backoff, e.g. a contributor that was busy); returns the delay."""
         previous = self._backoff.pop(peer, None)
-        delay = BACKOFF_MIN_S if previous is None else min(BACKOFF_MAX_S, 2 * previous[1])
+        delay = BACKOFF_MIN_S if previous is None or not grow else min(BACKOFF_MAX_S, 2 * previous[1])
         self._backoff[peer] = (now + delay, delay)
         while len(self._backoff) > MAX_BACKOFFS:
             self._backoff.popitem(last=False)

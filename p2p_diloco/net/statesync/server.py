@@ -41,6 +41,7 @@ from p2p_diloco.net.statesync.client import (
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.standing import MAX_INHERITED
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import sign_blob
 from p2p_diloco.wire.identity import Identity
@@ -209,6 +210,16 @@ class SnapshotServer:
         self.stats["snapshots_taken"] += 1
         return snapshot
 
+    def _standing(self) -> dict[str, list[str]]:
+        """Whom this replica trusts (sync/standing.py): a joiner vets nothing until its own first update, so it
+        merges only these authors meanwhile, and never the distrusted ones (the newest MAX_INHERITED of each)."""
+        standing = getattr(self.replica, "standing", None)
+        if standing is None:
+            return {"good": [], "distrusted": []}
+        with self.replica.lock:
+            good, distrusted = standing.inheritance(MAX_INHERITED)
+        return {"good": good, "distrusted": distrusted}
+
     def _build_snapshot(self) -> _Snapshot:
         theta, vv = self._state()
         data = memoryview(theta.numpy()).cast("B")
@@ -219,7 +230,7 @@ class SnapshotServer:
             "run_id": self.run_id, "spec_hash": self.spec_hash, "donor": self.node.peer_id,
             "snapshot_id": snapshot_id, "created_at": time.time(), "numel": theta.numel(), "dtype": "float32",
             "chunk_bytes": size, "version_vector": vv.to_dict(), "chunk_digests": digests,
-            "version_vector_holes": vv.holes_dict(),
+            "version_vector_holes": vv.holes_dict(), "standing": self._standing(),
         }, use_bin_type=True)
         response = msgpack.packb({"m": manifest, "s": self._sign(manifest)}, use_bin_type=True)
         if len(response) > self.config.max_manifest_bytes:
