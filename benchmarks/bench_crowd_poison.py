@@ -38,7 +38,8 @@ from p2p_diloco.train.data import load_corpus
 
 ATTACKS = {"sign_flip": ("sign_flip", 1.0, 1.0), "scale5": ("scale", 5.0, 1.0),
            "scale5-nobound": ("scale", 5.0, 0.0), "scale2": ("scale", 2.0, 1.0), "noise": ("noise", 1.0, 1.0)}
-DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0),
+DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
+                          copy_cosine=0.0),
             "standing": {}}
 _CORPUS: dict = {}
 

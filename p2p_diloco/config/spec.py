@@ -220,14 +220,20 @@ class DefenceConfig:
     probation: float = 0.25
     """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
     a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
-    min_agreement: float = -0.25
+    min_agreement: float = -0.5
     """Vetting: an update whose cosine with this replica's reference direction (recent updates in good standing)
-    is below this merges with weight 0 and its author is distrusted; -1 disables."""
+    is below this merges with weight 0 (3 in a row distrust its author); -1 disables. Honest updates late in a
+    run, at a small lr, measured down to -0.2: lower is safe, higher refuses honest work."""
     max_norm_ratio: float = 3.0
     """Vetting: the same for an update longer than this multiple of the reference's recent norms; 0 disables."""
-    full_agreement: float = 0.1
-    """An author's updates merge at 0 while the average cosine of its updates with the reference is below this
-    (noise at an honest norm averages ~0; honest updates 0.3-0.5); 0 disables."""
+    copy_cosine: float = 0.99
+    """An update of an author not yet in good standing whose |cosine| with a recent payload of another author is
+    at least this is a copy (or a negated copy: a sign-flip of someone's work) and merges at 0; 0 disables.
+    Honest payloads of different authors measured at most 0.91."""
+    full_agreement: float = 0.0
+    """An author's updates merge at 0 while the average cosine of its updates with the reference is below this;
+    0 disables (the default: late in a run honest authors averaged down to -0.17, so any positive threshold
+    refuses honest work there; early on, 0.1 keeps noise out)."""
 
     def validate(self) -> None:
         _require(self.norm_bound >= 0 and math.isfinite(self.norm_bound),
@@ -245,6 +251,8 @@ class DefenceConfig:
                  "defence.allowed_senders must be PeerID strings")
         _require(0 < self.probation <= 1, f"defence.probation must be in (0, 1], got {self.probation}")
         _require(-1 <= self.min_agreement < 1, f"defence.min_agreement must be in [-1, 1), got {self.min_agreement}")
+        _require(self.copy_cosine == 0 or 0.5 <= self.copy_cosine < 1,
+                 f"defence.copy_cosine must be 0 (off) or in [0.5, 1), got {self.copy_cosine}")
         _require(0 <= self.full_agreement < 1, f"defence.full_agreement must be in [0, 1), got {self.full_agreement}")
         _require(self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
                  f"defence.max_norm_ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}")

@@ -121,7 +121,7 @@ class Replica:
         replica.bind_rules(MergePolicy.from_spec(spec), gap_timeout_s=spec.defence.gap_timeout_s,
                            max_hole_span=spec.defence.max_hole_span)
         d = spec.defence
-        replica.standing = Standing(probation=d.probation, min_agreement=d.min_agreement,
+        replica.standing = Standing(probation=d.probation, min_agreement=d.min_agreement, copy_cosine=d.copy_cosine,
                                     max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id)
         return replica
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,14 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
+COPY_COSINE = 0.99
+"""|cosine| with a recent payload of another author at or above which a payload is a copy (or a negated copy) of
+it. Honest payloads of different authors measured at most 0.91 (two peers' first updates from one init)."""
+COPY_SAMPLE = 4096
+"""Coordinates (fixed, drawn once per model size) the copy test compares: a cosine over them is within ~0.02 of
+the full one for dense payloads, and a copy, scaled or negated, is exact on any subset."""
+COPY_WINDOW = 64
+"""Recent payloads a new one is compared with (the last few rounds of a swarm of a dozen)."""
 MAX_INHERITED = 512
 """Authors of each kind a donor passes to a joiner (`inheritance`), the most recent first."""
 MAX_DISTRUSTED = 1 << 16
@@ -64,6 +72,9 @@ NORM_DECAY = 0.9
 """The reference norm is a decaying maximum of the norms folded in: honest norms grow during warm-up and jump
 after a restart, and an average lags behind them (an honest update measured 3.1x an average in a test)."""
 LOG_INTERVAL_S = 10.0
+COPY_SEED = 0x5EED
+REFUSALS = ("disagrees", "too_long", "copy", "negated_copy")
+"""Verdicts that refuse an update and count a strike against its author."""
 AGREEMENT_DECAY = 0.5
 """An author's average agreement: each update's cosine counts half, the past the other half."""
 AGREEMENT_PRIOR = 0.15
@@ -108,7 +119,7 @@ class Standing:
     lock."""
 
     def __init__(self, *, probation: float, min_agreement: float, max_norm_ratio: float,
-                 full_agreement: float = 0.0, self_id: str = "") -> None:
+                 full_agreement: float = 0.0, copy_cosine: float = COPY_COSINE, self_id: str = "") -> None:
         if not (0.0 < probation and math.isfinite(probation)):
             raise ValueError(f"probation must be a positive number, got {probation}")
         self.probation, self.min_agreement, self.max_norm_ratio = probation, min_agreement, max_norm_ratio
@@ -124,7 +135,10 @@ class Standing:
         self.recent: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.good: set[str] = set()
         self.stats: dict[str, int] = {"probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
-                                      "distrusted": 0, "unvetted": 0}
+                                      "copy": 0, "negated_copy": 0, "distrusted": 0, "unvetted": 0}
+        self.copy_cosine = copy_cosine
+        self._window: deque[tuple[str, Tensor]] = deque(maxlen=COPY_WINDOW)  # (author, unit sample), newest last
+        self._sample_at: Tensor | None = None
         self._logged_at, self._suppressed = -math.inf, 0
         # Authors a joiner merges before it can vet (its reference forms with its own first update): its donor's
         # good standing (`inherit`). None: no donor's word (a fresh run, a restart), every author merges unvetted.
@@ -142,6 +156,10 @@ class Standing:
         if self.reference is None and self.inherited is not None and sender != self.self_id \
                 and sender not in self.inherited:
             return Verdict(0.0, "unvetted")  # a joiner before its first update: only its donor's trusted authors
+        if sender != self.self_id and sender not in self.good and self.copy_cosine > 0:
+            copied = self._copied(sender, delta)
+            if copied:
+                return Verdict(0.0, copied)
         if sender == self.self_id or self.reference is None or not self.vets:
             return Verdict(base, "" if base >= 1.0 else "probation")
         norm = float(delta.norm())
@@ -156,7 +174,7 @@ class Standing:
             return Verdict(0.0, "disagrees", agreement, ratio, average)
         if self.max_norm_ratio > 0 and ratio > self.max_norm_ratio:
             return Verdict(0.0, "too_long", agreement, ratio, average)
-        if average < self.full_agreement:  # all or nothing: a fraction would differ between replicas
+        if self.full_agreement > 0 and average < self.full_agreement:  # all or nothing: a fraction would differ
             return Verdict(0.0, "low_agreement", agreement, ratio, average)
         return Verdict(base, "" if base >= 1.0 else "probation", agreement, ratio, average)
 
@@ -170,7 +188,7 @@ class Standing:
             self.averages[sender] = verdict.average
             while len(self.averages) > MAX_STANDING:
                 self.averages.popitem(last=False)
-        if verdict.reason in ("disagrees", "too_long"):
+        if verdict.reason in REFUSALS:
             strikes = self.strikes.pop(sender, 0) + 1
             self._log_refusal(sender, verdict, strikes, now)
             if strikes >= DISTRUST_STRIKES:
@@ -185,6 +203,10 @@ class Standing:
             self.good.discard(sender)
             return
         self.strikes.pop(sender, None)
+        if verdict.multiplier > 0 and self.copy_cosine > 0:
+            sample = self._sample(delta)
+            if sample is not None:
+                self._window.append((sender, sample))
         if verdict.multiplier <= 0:  # low agreement (or distrusted): counts in nothing until it earns it again
             self.recent.pop(sender, None)
             self.good.discard(sender)
@@ -240,6 +262,28 @@ class Standing:
                        "(refusals since the last such line: %d)", sender, verdict.reason, verdict.agreement,
                        verdict.norm_ratio, strikes, self._suppressed)
         self._logged_at, self._suppressed = now, 0
+
+    def _sample(self, delta: Tensor) -> Tensor | None:
+        """The payload at the fixed COPY_SAMPLE coordinates, unit length (None if it is zero)."""
+        if self._sample_at is None or int(self._sample_at.max()) >= delta.numel():
+            g = torch.Generator().manual_seed(COPY_SEED)
+            self._sample_at = torch.randint(0, delta.numel(), (min(COPY_SAMPLE, delta.numel()),), generator=g)
+        sample = delta.reshape(-1)[self._sample_at].float()
+        norm = float(sample.norm())
+        return sample / norm if norm > 0 and math.isfinite(norm) else None
+
+    def _copied(self, sender: str, delta: Tensor) -> str:
+        """"copy" / "negated_copy" if `delta` is (up to a scale) a recent payload of another author, else ""."""
+        others = [s for author, s in self._window if author != sender]
+        sample = self._sample(delta) if others else None
+        if sample is None:
+            return ""
+        cosines = torch.stack(others) @ sample
+        if float(cosines.max()) >= self.copy_cosine:
+            return "copy"
+        if float(cosines.min()) <= -self.copy_cosine:
+            return "negated_copy"
+        return ""
 
     def _fold(self, delta: Tensor) -> None:
         norm = float(delta.norm())

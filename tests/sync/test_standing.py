@@ -43,7 +43,7 @@ def theta0() -> torch.Tensor:
 
 
 def standing(**kwargs: object) -> Standing:
-    args: dict = dict(probation=0.25, min_agreement=-0.25, max_norm_ratio=3.0, self_id="me")
+    args: dict = dict(probation=0.25, min_agreement=-0.25, max_norm_ratio=3.0, copy_cosine=0.0, self_id="me")
     args.update(kwargs)
     return Standing(**args)
 
@@ -218,3 +218,21 @@ def test_a_joiner_merges_only_its_donors_trusted_authors_until_it_can_vet() -> N
     joiner.observe("j", direction(4), joiner.judge("j", 1, direction(4)), now=3.0)  # our own first update
     assert joiner.judge("stranger", 41, direction(5)).multiplier == 1.0  # now vetted like anyone
     assert joiner.judge("stranger", 42, -direction(5)).reason == "disagrees"
+
+
+def test_copies_and_negated_copies_of_anothers_work_are_refused() -> None:
+    """A crowd that computes nothing can only re-sign what others sent: scaled (x0.5..x5) or negated, it is
+    the same direction on every coordinate, whatever the reference says (late in a run honest updates and their
+    negations both sit near the reference's cosine 0, where no threshold on it can tell them apart)."""
+    s = standing(copy_cosine=0.99)
+    g = torch.Generator().manual_seed(3)
+    honest = [torch.randn(4096, generator=g) for _ in range(4)]  # unrelated honest payloads (cosines ~0.02)
+    for k, delta in enumerate(honest):
+        s.observe(f"h{k}", delta, s.judge(f"h{k}", 5, delta), now=float(k))
+    assert all(s.judge(f"h{k}", 6, torch.randn(4096, generator=g)).multiplier == 1.0 for k in range(4))
+    assert s.judge("crowd", 1, 3.0 * honest[1]).reason == "copy"
+    assert s.judge("crowd", 1, -0.5 * honest[2]).reason == "negated_copy"
+    assert s.judge("h0", 6, honest[0] * 2).multiplier == 1.0  # its own work again is no copy
+    for k in range(DISTRUST_STRIKES):  # three in a row: distrusted
+        s.observe("crowd", -honest[3], s.judge("crowd", 2 + k, -honest[3]), now=10.0)
+    assert "crowd" in s.distrusted
