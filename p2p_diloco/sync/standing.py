@@ -11,20 +11,22 @@ signed and the same on every replica (the author's own included), so probation k
 replicas that merged the same set are still equal. An honest volunteer that joins late reaches full weight
 after two updates; a fresh identity's first updates are worth a fraction while it is vetted.
 
-**Vetting (local).** Every payload is compared with this replica's *reference*: an exponential average of
-the payloads of authors in good standing (this peer's own, and authors past probation that were never
-vetoed). A payload that points away from it (cosine below `min_agreement`) or is far longer (norm above
-`max_norm_ratio` times a decaying maximum of the reference's norms) merges with weight 0; after
-`DISTRUST_STRIKES` such updates in a row its author is *distrusted*: every later update of it merges at weight
-0 too. The slot still counts as merged (V advances), so gossip, repair and the vectors work as before; only
-its weight is gone. Sign-flipped updates point away (honest payloads agree with the reference: measured
-cosines in benchmarks/bench_crowd_poison.py), scaled ones are too long; an identity that behaves and attacks
-later is refused from its first bad update on. Between the two, an author's weight follows how its updates
-fare: while the average of its updates' cosines with the reference (each counts half) is below
-`full_agreement`, they merge at 0 ("low_agreement", no strike: the average may recover). Honest authors average
-0.3-0.5, far above 0.1, so they merge in full on every replica; noise at an honest update's length averages ~0
-and is out from its second update on, everywhere alike (all or nothing: a weight in proportion to the average
-differed between replicas by 1-2% of theta under a noise crowd).
+**Vetting (local).** A crowd that computes nothing can only re-sign others' work. So an update of an author
+not yet in good standing whose payload is, up to a scale, a recent payload of another author (|cosine| >=
+`copy_cosine` over COPY_SAMPLE fixed coordinates, against the last COPY_WINDOW payloads merged here) is a
+*copy* or a *negated copy* and merges with weight 0; honest payloads of different authors measured at most
+0.91. Every payload is also compared with this replica's *reference* (an exponential average of the payloads
+of authors in good standing: this peer's own, and authors past probation that were never refused): one that
+points away from it (cosine below `min_agreement`) or is far longer (norm above `max_norm_ratio` times a
+decaying maximum of the reference's norms) merges with weight 0 too. After `DISTRUST_STRIKES` refusals in a
+row the author is *distrusted*: every later update of it merges at 0. The slot still counts as merged (V
+advances), so gossip, repair and the vectors work as before; only its weight is gone.
+
+The thresholds are loose on purpose, and the copy test carries the weight: early in a run honest updates agree
+with the reference (cosine 0.2-0.9), but late in a run, at a small lr, they measured down to -0.2 and their
+averages to -0.17, where a negated update looks no different. `full_agreement` (off by default) merges an
+author at 0 while the average cosine of its updates is below it: it keeps noise out early in a run, and
+refuses honest work late.
 
 Why vetting is local, and what it costs: a score that comes out the same on every peer needs a shared point
 to evaluate at (a loss change on a batch fixed by the spec needs a theta every peer holds; the direction of
@@ -32,8 +34,9 @@ to evaluate at (a loss change on a batch fixed by the spec needs a theta every p
 runs. So each replica vets against its own reference, and where two replicas decide differently (a borderline
 cosine, or a replica whose reference is still empty) they differ by that update's weighted payload: at most
 `outer_lr * max_weight * step_ceiling` per coordinate for each such update (the same bound the repair uses).
-An honest swarm never comes near the thresholds, so its replicas stay exactly equal; the benchmark measures the
-divergence under attack.
+An honest swarm stays clear of the thresholds (a 60-round run: equal replicas), and a joiner, which cannot vet
+before its own first update, merges only its donor's trusted authors until then (`inherit`); the benchmark
+measures the divergence under attack.
 
 Votes and the swarm's size come from here too (`proven`, `swarm_size`), never from DHT records, which cost
 nothing to make: see ARCHITECTURE.md "Who counts".
