@@ -33,7 +33,7 @@ from pathlib import Path
 
 from p2p_diloco.config import DefenceConfig, SimConfig, preset
 from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
-from p2p_diloco.sync.standing import probation_multiplier
+from p2p_diloco.sync.standing import REFUSALS, probation_multiplier
 from p2p_diloco.train.data import load_corpus
 
 ATTACKS = {"sign_flip": ("sign_flip", 1.0, 1.0), "scale5": ("scale", 5.0, 1.0),
@@ -131,7 +131,7 @@ def table(rows: list[dict], crowds: list[int], attacks: list[str]) -> str:
                 clean = median("eval_loss", crowd=0, defence=defence)
                 loss = median("eval_loss", crowd=crowd, defence=defence, attack=attack)
                 cells = [r for r in rows if r["crowd"] == crowd and r["defence"] == defence and r["attack"] == attack]
-                refused = statistics.median([r["verdicts"].get("disagrees", 0) + r["verdicts"].get("too_long", 0)
+                refused = statistics.median([sum(r["verdicts"].get(k, 0) for k in REFUSALS)
                                              for r in cells]) if cells else 0
                 distrusted = statistics.median([r["distrusted_min"] for r in cells]) if cells else 0
                 cost = (loss / clean - 1) * 100

@@ -589,7 +589,8 @@ async def stop_honest(peers: Sequence[Honest]) -> None:
 
 
 def honest_payload(spec: Any, numel: int, seed: int = 0) -> bytes:
-    """One compressed payload of small values, reused by every update (signing makes each one distinct)."""
+    """One compressed payload of small values, reused by every update of one peer (signing makes each one
+    distinct); give each peer its own `seed`."""
     from p2p_diloco.wire.codecs import get_codec
 
     codec = get_codec(spec.outer.codec, spec.outer.codec_block)
@@ -674,8 +675,10 @@ async def engage(honest: Sequence[Honest], crowd: Crowd | None, *, spec: Any, nu
         if records:
             for peer in honest:
                 peer.view.extend(crowd.peer_ids)
-    payload = honest_payload(spec, numel)
-    tasks = [asyncio.ensure_future(publish_loop(h, spec, numel, payload, publish_s)) for h in honest]
+    # One payload per honest peer, from its own seed: two peers sending the very same payload would be a copy
+    # of each other's work, and vetting (sync/standing.py) gives a copy no weight and its relay no credit.
+    tasks = [asyncio.ensure_future(publish_loop(h, spec, numel, honest_payload(spec, numel, seed=i), publish_s))
+             for i, h in enumerate(honest)]
     deadline = time.monotonic() + timeout_s
     while not all(a.replica.version_vector.get(b.peer_id) > 0 for a in honest for b in honest if a is not b):
         if time.monotonic() > deadline:

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def _run(crowd: int) -> tuple[CrowdSwarm, dict]:
     base = preset("test")
-    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=120),
+    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=80),
                                defence=DefenceConfig(norm_bound=0.0))
-    sim = SimConfig(peers=3, total_steps=360, eval_batches=8, eval_every_s=360.0)
+    sim = SimConfig(peers=3, total_steps=240, eval_batches=8, eval_every_s=240.0)
     swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "mixed", 5.0))
     return swarm, swarm.honest_summary(swarm.run())
 
