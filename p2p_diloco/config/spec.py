@@ -223,13 +223,16 @@ class DefenceConfig:
     min_agreement: float = -0.5
     """Vetting: an update whose cosine with this replica's reference direction (recent updates in good standing)
     is below this merges with weight 0 (3 in a row distrust its author); -1 disables. Honest updates late in a
-    run, at a small lr, measured down to -0.2: lower is safe, higher refuses honest work."""
-    max_norm_ratio: float = 3.0
-    """Vetting: the same for an update longer than this multiple of the reference's recent norms; 0 disables."""
-    copy_cosine: float = 0.99
+    run, at a small lr, measured down to -0.2; a sign-flipped copy early in a run ~-0.9."""
+    max_norm_ratio: float = 0.0
+    """Vetting: the same for an update longer than this multiple of the reference's recent norms; 0 disables (the
+    default: with H=2 honest updates after a pause or a join measured 3.2-3.9x; a crowd's scaled copies are caught
+    as copies, and the norm bound refuses what is far too long)."""
+    copy_cosine: float = 0.9999
     """An update of an author not yet in good standing whose |cosine| with a recent payload of another author is
-    at least this is a copy (or a negated copy: a sign-flip of someone's work) and merges at 0; 0 disables.
-    Honest payloads of different authors measured at most 0.91."""
+    at least this is a copy (or a negated copy: a sign-flip of someone's work) and merges at 0; 0 disables. A
+    re-signed copy decodes to exactly the same direction; honest first updates from one init come close (0.99
+    refused some at H=2)."""
     full_agreement: float = 0.0
     """An author's updates merge at 0 while the average cosine of its updates with the reference is below this;
     0 disables (the default: late in a run honest authors averaged down to -0.17, so any positive threshold

@@ -22,11 +22,12 @@ decaying maximum of the reference's norms) merges with weight 0 too. After `DIST
 row the author is *distrusted*: every later update of it merges at 0. The slot still counts as merged (V
 advances), so gossip, repair and the vectors work as before; only its weight is gone.
 
-The thresholds are loose on purpose, and the copy test carries the weight: early in a run honest updates agree
-with the reference (cosine 0.2-0.9), but late in a run, at a small lr, they measured down to -0.2 and their
-averages to -0.17, where a negated update looks no different. `full_agreement` (off by default) merges an
-author at 0 while the average cosine of its updates is below it: it keeps noise out early in a run, and
-refuses honest work late.
+The copy test carries the weight, with `min_agreement` -0.5 against the reference (a sign-flipped copy that
+arrives before its original is no copy yet; early in a run it points away, ~-0.9). `max_norm_ratio` is off by
+default (with H=2 honest updates after a pause or a join measured 3.2-3.9x the recent norms; the norm bound
+bans what is far too long), and so is `full_agreement`, which merges an author at 0 while the average cosine
+of its updates is low: it keeps noise out early in a run, and refuses honest work late (at a small lr honest
+updates measured cosines down to -0.2, averages down to -0.17).
 
 Why vetting is local, and what it costs: a score that comes out the same on every peer needs a shared point
 to evaluate at (a loss change on a batch fixed by the spec needs a theta every peer holds; the direction of
@@ -57,9 +58,12 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-COPY_COSINE = 0.99
+COPY_COSINE = 0.9999
 """|cosine| with a recent payload of another author at or above which a payload is a copy (or a negated copy) of
-it. Honest payloads of different authors measured at most 0.91 (two peers' first updates from one init)."""
+it. A re-signed copy, scaled or negated, decodes to exactly the same direction (the codec's codes are the same
+or negated, their block scales scaled), so the bar can sit at 0.9999; honest payloads of different authors
+come close only at a run's start (first updates from one init: 0.91 at H=20, and with H=2 close enough that
+0.99 refused some: replicas 0.5% apart)."""
 COPY_SAMPLE = 4096
 """Coordinates (fixed, drawn once per model size) the copy test compares: a cosine over them is within ~0.02 of
 the full one for dense payloads, and a copy, scaled or negated, is exact on any subset."""
@@ -157,8 +161,8 @@ class Standing:
         if sender in self.distrusted:
             return Verdict(0.0, "distrusted")
         if self.reference is None and self.inherited is not None and sender != self.self_id \
-                and sender not in self.inherited:
-            return Verdict(0.0, "unvetted")  # a joiner before its first update: only its donor's trusted authors
+                and sender not in self.inherited and base >= 1.0:
+            return Verdict(0.0, "unvetted")  # a joiner before its first update: its donor's authors, newcomers
         if sender != self.self_id and sender not in self.good and self.copy_cosine > 0:
             copied = self._copied(sender, delta)
             if copied:
@@ -226,16 +230,19 @@ class Standing:
             self._fold(delta)
 
     def inheritance(self, limit: int) -> tuple[list[str], list[str]]:
-        """(authors in good standing, distrusted authors), the `limit` most recent of each, this peer among the
-        good: what a joiner syncing from us merges before its own first update (`inherit`)."""
-        good = [a for a in reversed(self.recent) if a in self.good][:limit]
-        return good, list(reversed(self.distrusted))[:limit]
+        """(authors whose last update merged here with a weight, distrusted authors), the `limit` most recent of
+        each, this peer included: what a joiner syncing from us merges before its own first update (`inherit`)."""
+        trusted = list(reversed(self.recent))[:limit]
+        if self.self_id and self.self_id not in trusted:
+            trusted = [self.self_id, *trusted[:limit - 1]]
+        return trusted, list(reversed(self.distrusted))[:limit]
 
     def inherit(self, good: list[str] | tuple[str, ...], distrusted: list[str] | tuple[str, ...]) -> None:
-        """A donor's word, after a state sync: until our own first update gives us a reference, only its authors
-        in good standing merge (at their probation by seq), and its distrusted never do. Without it a joiner
-        would merge a crowd's updates unvetted, at full weight past their probation, and be poisoned at once
-        (measured: a late volunteer under 10 sign-flipping identities was then refused by everyone)."""
+        """A donor's word, after a state sync: until our own first update gives us a reference, an author past
+        its probation merges only if the donor merged it with a weight lately (authors still on probation merge
+        at it, as everywhere), and the donor's distrusted never do. Without it a joiner would merge a crowd's
+        updates unvetted, at full weight past their probation, and be poisoned at once (measured: a late
+        volunteer under 10 sign-flipping identities was then refused by everyone)."""
         self.inherited = set(good)
         for author in distrusted:
             if author != self.self_id:

@@ -1,8 +1,8 @@
 """Issue 16's poisoning test, the fast representative (benchmarks/bench_crowd_poison.py has the table): 10 fresh
 identities re-sign sign-flipped or x5 copies of an honest peer's updates at the full weight, against 3 honest
 peers. The honest replicas must lose at most 5% eval loss against the clean run, stay equal, and end up
-distrusting every one of them. The norm bound is off in both runs, so that vetting alone stands in the way of
-the x5 copies (with it on, they are banned before they merge)."""
+distrusting every sign-flipping one (the x5 copies are banned by the default norm bound, on every replica
+alike)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 def _run(crowd: int) -> tuple[CrowdSwarm, dict]:
     base = preset("test")
     spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=80),
-                               defence=DefenceConfig(norm_bound=0.0))
+                               defence=DefenceConfig())
     sim = SimConfig(peers=3, total_steps=240, eval_batches=8, eval_every_s=240.0)
     swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "mixed", 5.0))
     return swarm, swarm.honest_summary(swarm.run())
@@ -31,9 +31,9 @@ def test_ten_poisoning_identities_cost_the_honest_replicas_at_most_five_percent(
     swarm, attacked = _run(10)
     assert attacked["finite"] and attacked["eval_loss"] <= 1.05 * clean["eval_loss"], (clean, attacked)
     assert attacked["divergence"] < 1e-5  # the replicas stay equal
-    crowd = {identity.peer_id for identity in swarm.crowd}
+    flippers = {identity.peer_id for i, identity in enumerate(swarm.crowd) if i % 2 == 0}
+    scalers = {identity.peer_id for i, identity in enumerate(swarm.crowd) if i % 2 == 1}
     for peer in swarm._alive():
-        assert crowd <= set(peer.learner.replica.standing.distrusted), "an identity kept its weight somewhere"
-    verdicts = swarm.crowd_summary()["verdicts"]
-    assert verdicts["negated_copy"] + verdicts["disagrees"] > 0  # the sign-flipped copies were met
-    assert verdicts["copy"] + verdicts["too_long"] > 0  # and the x5 ones
+        replica = peer.learner.replica
+        assert flippers <= set(replica.standing.distrusted), "a sign-flipping identity kept its weight somewhere"
+        assert scalers <= set(replica.banned), "an x5 identity was not banned somewhere"
