@@ -33,7 +33,7 @@ from pathlib import Path
 
 from p2p_diloco.config import DefenceConfig, SimConfig, preset
 from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
-from p2p_diloco.sync.standing import REFUSALS, probation_multiplier
+from p2p_diloco.sync.standing import REFUSALS, TIED, probation_multiplier
 from p2p_diloco.train.data import load_corpus
 
 ATTACKS = {"sign_flip": ("sign_flip", 1.0, 1.0), "scale5": ("scale", 5.0, 1.0),
@@ -81,8 +81,6 @@ def late_volunteer(preset_name: str, inner_steps: int, steps_per_peer: int, crow
 
     import torch
 
-    from p2p_diloco.sync import standing as standing_module
-
     torch.set_num_threads(1)
     logging.getLogger("p2p_diloco").setLevel(logging.ERROR)
     base = preset(preset_name)
@@ -91,26 +89,14 @@ def late_volunteer(preset_name: str, inner_steps: int, steps_per_peer: int, crow
     total = 4 * steps_per_peer
     sim = SimConfig(peers=3, total_steps=total, eval_batches=8, eval_every_s=float(total),
                     join=(str(steps_per_peer / 2),))
-    seen: list[tuple[str, str, int, float]] = []  # (judging replica, sender, seq, multiplier)
-    judge = standing_module.Standing.judge
-
-    def recording(self, sender, seq, delta):  # noqa: ANN001
-        verdict = judge(self, sender, seq, delta)
-        seen.append((self.self_id, sender, seq, verdict.multiplier))
-        return verdict
-
-    standing_module.Standing.judge = recording  # type: ignore[method-assign]
-    try:
-        swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "sign_flip"))
-        swarm.run()
-    finally:
-        standing_module.Standing.judge = judge  # type: ignore[method-assign]
+    swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "sign_flip"))
+    swarm.run()
     joiner = swarm.peers[3].learner.peer_id
-    others = {p.learner.peer_id for p in swarm.peers[:3]}
-    by_seq: dict[int, list[float]] = {}
-    for judge_id, sender, seq, multiplier in seen:
-        if sender == joiner and judge_id in others:
-            by_seq.setdefault(seq, []).append(multiplier)
+    by_seq: dict[int, list[float]] = {}  # the weight each of its updates holds at the end on the other replicas
+    for peer in swarm.peers[:3]:
+        replica = peer.learner.replica
+        for seq in range(1, replica.version_vector.get(joiner) + 1):
+            by_seq.setdefault(seq, []).append(replica._merged.multiplier(joiner, seq))
     return {"crowd": crowd, "multipliers_by_seq": {k: sorted(v) for k, v in sorted(by_seq.items())}}
 
 
@@ -131,7 +117,7 @@ def table(rows: list[dict], crowds: list[int], attacks: list[str]) -> str:
                 clean = median("eval_loss", crowd=0, defence=defence)
                 loss = median("eval_loss", crowd=crowd, defence=defence, attack=attack)
                 cells = [r for r in rows if r["crowd"] == crowd and r["defence"] == defence and r["attack"] == attack]
-                refused = statistics.median([sum(r["verdicts"].get(k, 0) for k in REFUSALS)
+                refused = statistics.median([sum(r["verdicts"].get(k, 0) for k in (*REFUSALS, TIED))
                                              for r in cells]) if cells else 0
                 distrusted = statistics.median([r["distrusted_min"] for r in cells]) if cells else 0
                 cost = (loss / clean - 1) * 100

@@ -220,10 +220,12 @@ class DefenceConfig:
     probation: float = 0.25
     """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
     a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
-    min_agreement: float = -0.5
+    min_agreement: float = -1.0
     """Vetting: an update whose cosine with this replica's reference direction (recent updates in good standing)
-    is below this merges with weight 0 (3 in a row distrust its author); -1 disables. Honest updates late in a
-    run, at a small lr, measured down to -0.2; a sign-flipped copy early in a run ~-0.9."""
+    is below this merges with weight 0 (3 in a row distrust its author); -1 disables (the default: a joiner's
+    honest first update measured -0.63 against two replicas' references and not a third's, whose replicas then
+    differed; late in a run honest updates measured -0.2). A sign-flipped copy early in a run ~-0.9; such copies
+    are caught as negated copies whatever this is."""
     max_norm_ratio: float = 0.0
     """Vetting: the same for an update longer than this multiple of the reference's recent norms; 0 disables (the
     default: with H=2 honest updates after a pause or a join measured 3.2-3.9x; a crowd's scaled copies are caught

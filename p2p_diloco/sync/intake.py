@@ -111,7 +111,24 @@ class Intake:
         if outcome not in _NOT_REJECTIONS:
             self._log(outcome.value, update.sender, f"seq={update.seq}")
         self.expire_gaps(now_s)
+        self.take_back_copies()
         return outcome.value, update
+
+    def take_back_copies(self) -> None:
+        """Take back the weight of merged updates vetting found to be copies only when their original came
+        (`Standing.copies_found`): the copy came first and merged on probation; every replica that holds both
+        ends with it at weight 0 whatever the order. The copy is looked up in the store (it was kept to be
+        served); one no longer held keeps its weight here (counted: `copies_not_held`)."""
+        standing = self.replica.standing
+        if standing is None:
+            return
+        with self.replica.lock:
+            found = standing.copies_found()
+        for sender, seq, _ in found:
+            update = self.store.get(sender, seq) if self.store is not None else None
+            done = update is not None and self.replica.unmerge(update, keep_slot=True)
+            with self._lock:
+                self.events["copies_taken_back" if done else "copies_not_held"] += 1
 
     def expire_gaps(self, now_s: float | None = None) -> list[UpdateLike]:
         """Skip gaps that waited longer than the RunSpec's gap_timeout_s (`Replica.expire_gaps`); called on

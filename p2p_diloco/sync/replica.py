@@ -54,9 +54,8 @@ Protocol rules (identical on every peer; changing one changes the protocol):
 
 Threading: the network thread offers while the compute thread takes snapshots. Decoding and screening run
 outside the lock (sync/screening.py); the state is re-checked under the lock before the axpy, so two threads
-decoding the same update merge it once. Each update is decoded once: the sender passes the tensor it encoded
-(`offer(decoded=...)`), a buffered one keeps the delta it was screened with (sync/pending.py). The replica knows
-nothing of training: it is built from the run's spec (`Replica.from_spec`).
+decoding the same update merge it once. Each update is decoded once (`offer(decoded=...)`, sync/pending.py).
+The replica knows nothing of training: it is built from the run's spec (`Replica.from_spec`).
 """
 
 from __future__ import annotations
@@ -148,13 +147,8 @@ class Replica:
         """The live tensor; hold `lock` while reading it if merges may run concurrently."""
         return self._sum.theta
 
-    @property
-    def n_buffered(self) -> int:
-        return self._buffer.count
-
-    @property
-    def buffered_bytes(self) -> int:
-        return self._buffer.nbytes
+    n_buffered = property(lambda self: self._buffer.count)
+    buffered_bytes = property(lambda self: self._buffer.nbytes)
 
     def snapshot(self) -> tuple[Tensor, VersionVector]:
         """A consistent copy of (theta, V): the vector names exactly the updates summed into the copy."""
@@ -233,13 +227,14 @@ class Replica:
         with self.lock:
             return self._merged.recent(sender, seqs, self._vv)
 
-    def unmerge(self, update: UpdateLike) -> bool:
-        """Take back a merged update (rule 7): `theta += outer_lr * w * shape(decode(update))` and V loses
+    def unmerge(self, update: UpdateLike, *, keep_slot: bool = False) -> bool:
+        """Take back a merged update (rule 7): `theta += outer_lr * w * m * shape(decode(update))` and V loses
         `(sender, seq)`. For the equivocation repair: of two signed versions of one slot, some replicas merged
         one and some the other; each takes back the one it merged, so the slot is merged nowhere and the
-        replicas meet again. Only this exact update (by update_id) is taken back; False if it is not the
-        one merged here, or if the aggregation is receiver-dependent (centered_clip: its shaping cannot be
-        redone exactly, so that divergence is left to the repair)."""
+        replicas meet again. `keep_slot`: only its weight goes (m becomes 0), the slot stays merged: for a copy
+        found after it merged (`Standing.copies_found`). Only this exact update (by update_id) is taken back;
+        False if it is not the one merged here, or if the aggregation is receiver-dependent (centered_clip:
+        its shaping cannot be redone exactly, so that divergence is left to the repair)."""
         with self.lock:
             merged = self._merged.get(update.sender, update.seq)
             if merged is None or merged != update.update_id or not self._vv.has(update.sender, update.seq):
@@ -251,14 +246,18 @@ class Replica:
             prepared = self._prepare(update, None)  # it passed every check when it merged, identically now
             if prepared.scaled is None:
                 return False
-            vv = self._vv.without(update.sender, update.seq)  # may raise (hole bound): before theta changes
+            vv = self._vv if keep_slot else self._vv.without(update.sender, update.seq)  # may raise: before theta
             multiplier = self._merged.multiplier(update.sender, update.seq)  # the weight it earned when merged
             if multiplier > 0:
                 self._sum.add(weighted(prepared.scaled, multiplier))
             self._vv = vv
-            self._merged.forget(update.sender, update.seq)
+            if keep_slot:
+                self._merged.record(update.sender, update.seq, update.update_id, 0.0)
+            else:
+                self._merged.forget(update.sender, update.seq)
             self.stats["unmerged"] = self.stats.get("unmerged", 0) + 1
-        logger.warning("merged update taken back sender=%s seq=%d", update.sender, update.seq)
+        logger.log(logging.INFO if keep_slot else logging.WARNING, "merged update taken back sender=%s seq=%d%s",
+                   update.sender, update.seq, " (weight only: a copy)" if keep_slot else "")
         return True
 
     @delivers_bans
@@ -368,7 +367,8 @@ class Replica:
             reason = prepared.rejection or MergeOutcome.REJECTED_INVALID
             self._ban(update.sender, f"{reason.value} seq={update.seq}")
             return reason
-        verdict = self.standing.judge(update.sender, update.seq, prepared.delta) if self.standing else None
+        standing = self.standing
+        verdict = standing.judge(update.sender, update.seq, prepared.delta, self.clock()) if standing else None
         multiplier = verdict.multiplier if verdict is not None else 1.0
         if multiplier > 0 and not self._sum.subtract(weighted(prepared.scaled, multiplier), prepared.bound):
             self._ban(update.sender, f"overflow seq={update.seq}")
@@ -378,7 +378,7 @@ class Replica:
             logger.info("late merge of a skipped update sender=%s seq=%d", update.sender, update.seq)
         self._vv = self._vv.with_merged(update.sender, update.seq)
         if verdict is not None:
-            self.standing.observe(update.sender, prepared.delta, verdict, self.clock())  # type: ignore[union-attr]
+            standing.observe(update.sender, prepared.delta, verdict, self.clock(), seq=update.seq)  # type: ignore
         if multiplier > 0:
             self.policy.observe(prepared.delta)  # type: ignore[arg-type]
         self._merged.record(update.sender, update.seq, update.update_id, multiplier)

@@ -11,33 +11,38 @@ signed and the same on every replica (the author's own included), so probation k
 replicas that merged the same set are still equal. An honest volunteer that joins late reaches full weight
 after two updates; a fresh identity's first updates are worth a fraction while it is vetted.
 
-**Vetting (local).** A crowd that computes nothing can only re-sign others' work. So an update of an author
-not yet in good standing whose payload is, up to a scale, a recent payload of another author (|cosine| >=
-`copy_cosine` over COPY_SAMPLE fixed coordinates, against the last COPY_WINDOW payloads merged here) is a
-*copy* or a *negated copy* and merges with weight 0; honest payloads of different authors measured at most
-0.91. Every payload is also compared with this replica's *reference* (an exponential average of the payloads
-of authors in good standing: this peer's own, and authors past probation that were never refused): one that
-points away from it (cosine below `min_agreement`) or is far longer (norm above `max_norm_ratio` times a
-decaying maximum of the reference's norms) merges with weight 0 too. After `DISTRUST_STRIKES` refusals in a
-row the author is *distrusted*: every later update of it merges at 0. The slot still counts as merged (V
-advances), so gossip, repair and the vectors work as before; only its weight is gone.
+**Vetting (local, order-free).** A crowd that computes nothing can only re-sign others' work. So a payload
+that is, up to a scale, a recent payload of another author (|cosine| >= `copy_cosine` over COPY_SAMPLE fixed
+coordinates, against the last COPY_WINDOW payloads merged here) is a *copy* or a *negated copy*. A re-signed
+copy is exact (cosine 1 up to float rounding); honest payloads of different authors measured at most 0.91, so
+the test never touches honest work, and an honest swarm's replicas stay exactly equal. Of such a pair, the
+payload of an author in good standing is the original: the other merges at 0 with a strike, and if it came
+first (a fast copier beats the original to some replicas) its weight is taken back when the original merges
+(`copies_found`, `Intake.take_back_copies`). When neither author is in good standing (a crowd copying a
+newcomer on probation) no local fact tells them apart, so both merge at 0 (TIED, no strike). Either way every
+replica that holds both ends alike, whatever the order. After `DISTRUST_STRIKES` refusals in a row the author
+is *distrusted*: every later update of it merges at 0. The slot still counts as merged (V advances), so
+gossip, repair and the vectors work as before; only its weight is gone.
 
-The copy test carries the weight, with `min_agreement` -0.5 against the reference (a sign-flipped copy that
-arrives before its original is no copy yet; early in a run it points away, ~-0.9). `max_norm_ratio` is off by
-default (with H=2 honest updates after a pause or a join measured 3.2-3.9x the recent norms; the norm bound
-bans what is far too long), and so is `full_agreement`, which merges an author at 0 while the average cosine
-of its updates is low: it keeps noise out early in a run, and refuses honest work late (at a small lr honest
-updates measured cosines down to -0.2, averages down to -0.17).
+*Good standing* is an author whose last update merged at full weight (past probation) pointing along this
+replica's *reference* (cosine > PROMOTE_AGREEMENT; the reference is an exponential average of this peer's own
+payloads and of such updates), and never refused since. It is the one local fact vetting uses: where a copy
+races an author's update around its promotion, two replicas can still judge differently and differ by that
+update's weighted payload (at most `outer_lr * max_weight * step_ceiling` per coordinate, the bound the repair
+uses). A joiner, which holds no reference or window before its own first update, merges only its donor's
+trusted authors until then (`inherit`).
 
-Why vetting is local, and what it costs: a score that comes out the same on every peer needs a shared point
-to evaluate at (a loss change on a batch fixed by the spec needs a theta every peer holds; the direction of
-"the others' updates of the same epoch" needs a set every peer holds), and an async swarm has neither while it
-runs. So each replica vets against its own reference, and where two replicas decide differently (a borderline
-cosine, or a replica whose reference is still empty) they differ by that update's weighted payload: at most
-`outer_lr * max_weight * step_ceiling` per coordinate for each such update (the same bound the repair uses).
-An honest swarm stays clear of the thresholds (a 60-round run: equal replicas), and a joiner, which cannot vet
-before its own first update, merges only its donor's trusted authors until then (`inherit`); the benchmark
-measures the divergence under attack.
+The reference refuses nothing by default. Refusing by it is opt-in: `min_agreement` (a cosine below it),
+`max_norm_ratio` (longer than that multiple of a decaying maximum of the reference's norms) and
+`full_agreement` (the author's average cosine below it). All three misfired on honest work in real-process
+runs: a joiner's first update after a state sync measured -0.63 against two replicas' references and not a
+third's, whose replica then differed; honest updates at a small lr late in a run measured down to -0.2
+(averages -0.17); with H=2 honest updates after a pause or a join measured 3.2-3.9x the recent norms. They stay
+for runs that accept that cost for some protection against noise.
+
+Why not a score every peer computes alike: it needs a shared point to evaluate at (a loss change on a batch
+fixed by the spec needs a theta every peer holds; the direction of "the others' updates of the same epoch"
+needs a set every peer holds), and an async swarm has neither while it runs.
 
 Votes and the swarm's size come from here too (`proven`, `swarm_size`), never from DHT records, which cost
 nothing to make: see ARCHITECTURE.md "Who counts".
@@ -81,6 +86,8 @@ after a restart, and an average lags behind them (an honest update measured 3.1x
 LOG_INTERVAL_S = 10.0
 COPY_SEED = 0x5EED
 REFUSALS = ("disagrees", "too_long", "copy", "negated_copy")
+TIED = "tied_copy"
+"""Two authors not in good standing sent one payload (up to a scale): both merge at 0, with no strike."""
 """Verdicts that refuse an update and count a strike against its author."""
 AGREEMENT_DECAY = 0.5
 """An author's average agreement: each update's cosine counts half, the past the other half."""
@@ -88,6 +95,11 @@ AGREEMENT_PRIOR = 0.15
 """A new author's average before its first compared update: its first update counts only if its cosine is at
 least 0.05 (honest first updates measured 0.24-0.9; noise ~0.003, so 1000 noise identities never get a weight:
 with a prior of 0.3 their first updates passed, at probation, and cost +38% eval loss)."""
+PROMOTE_AGREEMENT = 0.0
+"""Cosine with the reference above which a full-weight update puts its author in good standing (its payloads win
+a copy pair; they are folded into the reference). Only promotion: an update below it still merges (refusing
+needs `min_agreement`), so an honest author whose update points away for a round loses only that edge until its
+next one; a sign-flipped copy, which points away early in a run, never earns standing."""
 DISTRUST_STRIKES = 3
 """Refused updates in a row after which an author is distrusted (all its later updates merge at weight 0). One
 refusal costs only that update: an honest sender's rare borderline update must not cost it the run."""
@@ -98,15 +110,17 @@ class Verdict:
     """How much of its signed weight one update merges with here, and why."""
 
     multiplier: float
-    reason: str = ""  # "" (full weight), "probation", "low_agreement", "disagrees", "too_long", "distrusted"
+    reason: str = ""  # "" (full weight), "probation", "copy", "negated_copy", TIED, "unvetted", "distrusted",
+    #                   and the opt-in "disagrees", "too_long", "low_agreement"
     agreement: float = math.nan  # cosine with the reference (nan: not compared)
     norm_ratio: float = math.nan
     average: float = math.nan  # the author's average agreement, this update included (nan: not compared)
 
     @property
     def vetted(self) -> bool:
-        """Compared with a reference and found in line (an unvetted full weight earns no standing)."""
-        return not math.isnan(self.agreement) and self.multiplier > 0
+        """Compared with a reference and found in line (agreement above PROMOTE_AGREEMENT): only such an update,
+        at full weight, puts its author in good standing (an unvetted full weight earns none)."""
+        return not math.isnan(self.agreement) and self.agreement > PROMOTE_AGREEMENT and self.multiplier > 0
 
 
 def weighted(step: Tensor, multiplier: float) -> Tensor:
@@ -142,20 +156,20 @@ class Standing:
         self.recent: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.good: set[str] = set()
         self.stats: dict[str, int] = {"probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
-                                      "copy": 0, "negated_copy": 0, "distrusted": 0, "unvetted": 0}
+                                      "copy": 0, "negated_copy": 0, TIED: 0, "distrusted": 0, "unvetted": 0}
         self.copy_cosine = copy_cosine
-        self._window: deque[tuple[str, Tensor]] = deque(maxlen=COPY_WINDOW)  # (author, unit sample), newest last
+        # [author, seq, unit sample, zeroed: merged at 0 or taken back], newest last
+        self._window: deque[list] = deque(maxlen=COPY_WINDOW)
+        self._last: tuple[str, int, Tensor | None] = ("", 0, None)  # the last sample `_copy_test` took
+        # (author, seq, reason) of merged copies found only when their original came (`copies_found`)
+        self._found: list[tuple[str, int, str]] = []
         self._sample_at: Tensor | None = None
         self._logged_at, self._suppressed = -math.inf, 0
         # Authors a joiner merges before it can vet (its reference forms with its own first update): its donor's
         # good standing (`inherit`). None: no donor's word (a fresh run, a restart), every author merges unvetted.
         self.inherited: set[str] | None = None
 
-    @property
-    def vets(self) -> bool:
-        return self.min_agreement > -1.0 or self.max_norm_ratio > 0 or self.full_agreement > 0
-
-    def judge(self, sender: str, seq: int, delta: Tensor) -> Verdict:
+    def judge(self, sender: str, seq: int, delta: Tensor, now: float = 0.0) -> Verdict:
         """The verdict on `sender`'s update `seq` with decoded payload `delta` (before it merges)."""
         base = probation_multiplier(seq, self.probation)
         if sender in self.distrusted:
@@ -163,12 +177,11 @@ class Standing:
         if self.reference is None and self.inherited is not None and sender != self.self_id \
                 and sender not in self.inherited and base >= 1.0:
             return Verdict(0.0, "unvetted")  # a joiner before its first update: its donor's authors, newcomers
-        if sender != self.self_id and sender not in self.good and self.copy_cosine > 0:
-            copied = self._copied(sender, delta)
-            if copied:
-                return Verdict(0.0, copied)
-        if sender == self.self_id or self.reference is None or not self.vets:
-            return Verdict(base, "" if base >= 1.0 else "probation")
+        copied = self._copy_test(sender, seq, delta, now) if sender != self.self_id and self.copy_cosine > 0 else ""
+        if copied in REFUSALS:
+            return Verdict(0.0, copied)
+        if sender == self.self_id or self.reference is None:
+            return Verdict(0.0, copied) if copied else Verdict(base, "" if base >= 1.0 else "probation")
         norm = float(delta.norm())
         ref_norm = float(self.reference.norm())
         agreement = float(torch.dot(delta, self.reference)) / (norm * ref_norm) if norm > 0 and ref_norm > 0 \
@@ -177,7 +190,9 @@ class Standing:
         if not math.isfinite(agreement):
             return Verdict(0.0, "disagrees", -1.0, ratio, -1.0)
         average = AGREEMENT_DECAY * self.averages.get(sender, AGREEMENT_PRIOR) + (1 - AGREEMENT_DECAY) * agreement
-        if agreement < self.min_agreement:
+        if copied:  # a tie: weight 0, and its agreement still counts towards good standing
+            return Verdict(0.0, copied, agreement, ratio, average)
+        if self.min_agreement > -1.0 and agreement < self.min_agreement:
             return Verdict(0.0, "disagrees", agreement, ratio, average)
         if self.max_norm_ratio > 0 and ratio > self.max_norm_ratio:
             return Verdict(0.0, "too_long", agreement, ratio, average)
@@ -185,9 +200,9 @@ class Standing:
             return Verdict(0.0, "low_agreement", agreement, ratio, average)
         return Verdict(base, "" if base >= 1.0 else "probation", agreement, ratio, average)
 
-    def observe(self, sender: str, delta: Tensor, verdict: Verdict, now: float) -> None:
+    def observe(self, sender: str, delta: Tensor, verdict: Verdict, now: float, *, seq: int = 0) -> None:
         """After the merge: count the verdict, distrust a vetoed author, fold a payload in good standing into
-        the reference."""
+        the reference; an author in good standing also unmasks the earlier merged copies of this payload."""
         if verdict.reason:
             self.stats[verdict.reason] += 1
         if not math.isnan(verdict.average) and sender != self.self_id:
@@ -196,31 +211,25 @@ class Standing:
             while len(self.averages) > MAX_STANDING:
                 self.averages.popitem(last=False)
         if verdict.reason in REFUSALS:
-            strikes = self.strikes.pop(sender, 0) + 1
-            self._log_refusal(sender, verdict, strikes, now)
-            if strikes >= DISTRUST_STRIKES:
-                self.distrusted[sender] = verdict.reason
-                while len(self.distrusted) > MAX_DISTRUSTED:
-                    self.distrusted.popitem(last=False)
-            else:
-                self.strikes[sender] = strikes
-                while len(self.strikes) > MAX_DISTRUSTED:
-                    self.strikes.pop(next(iter(self.strikes)))
-            self.recent.pop(sender, None)
-            self.good.discard(sender)
+            self._strike(sender, verdict, now)
             return
         self.strikes.pop(sender, None)
-        if verdict.multiplier > 0 and self.copy_cosine > 0:
-            sample = self._sample(delta)
+        tied = verdict.reason == TIED
+        if self.copy_cosine > 0 and (verdict.multiplier > 0 or tied):
+            sample = self._last[2] if self._last[:2] == (sender, seq) else self._sample(delta)
             if sample is not None:
-                self._window.append((sender, sample))
-        if verdict.multiplier <= 0:  # low agreement (or distrusted): counts in nothing until it earns it again
+                self._window.append([sender, seq, sample, tied])
+        # A tie costs the weight, not the standing: an honest newcomer whose work a crowd copies still earns
+        # good standing by seq and agreement, and from then on its originals win.
+        earned = 1.0 if tied and probation_multiplier(seq, self.probation) >= 1.0 and \
+            verdict.agreement > PROMOTE_AGREEMENT else verdict.multiplier
+        if earned <= 0:  # low agreement (or distrusted): counts in nothing until it earns it again
             self.recent.pop(sender, None)
             self.good.discard(sender)
             return
         self.recent.pop(sender, None)
-        self.recent[sender] = (now, verdict.multiplier)
-        if verdict.multiplier >= 1.0 and (verdict.vetted or sender == self.self_id):
+        self.recent[sender] = (now, earned)
+        if earned >= 1.0 and (tied or verdict.vetted or sender == self.self_id):
             self.good.add(sender)
         else:
             self.good.discard(sender)
@@ -228,6 +237,72 @@ class Standing:
             self.good.discard(self.recent.popitem(last=False)[0])
         if sender == self.self_id or (verdict.multiplier >= 1.0 and verdict.vetted):
             self._fold(delta)
+
+    def copies_found(self) -> list[tuple[str, int, str]]:
+        """(author, seq, reason) of merged updates found to be copies only after they merged (drains the list),
+        whose weight must now be taken back (`Replica.unmerge(keep_slot=True)`, run by `Intake`), so that the
+        verdict does not depend on the order of arrival (`_copy_test`)."""
+        found, self._found = self._found, []
+        return found
+
+    def _copy_test(self, sender: str, seq: int, delta: Tensor, now: float) -> str:
+        """Is `delta`, up to a scale, a payload of another author in the window? The same verdict whatever the
+        order in which a replica gets a pair of copies, once it holds both:
+        - one author in good standing, the other not: the other's is the copy, refused with a
+          strike ("copy" / "negated_copy"); if it merged first (it beat its original here), its weight is taken
+          back when the original comes;
+        - neither in good standing (an honest newcomer copied while on probation, or copiers among themselves):
+          both merge at 0 (TIED, no strike; the first to come is taken back), as no local fact tells which is
+          the original;
+        - both in good standing: both merge (it cannot tell either; an author reaches good standing only with
+          an update that merged at full weight pointing along the reference)."""
+        sample = self._sample(delta)
+        self._last = (sender, seq, sample)
+        if sample is None or not self._window:
+            return ""
+        matches = [(entry, float(torch.dot(entry[2], sample))) for entry in self._window if entry[0] != sender]
+        matches = [(entry, cosine) for entry, cosine in matches if abs(cosine) >= self.copy_cosine]
+        if not matches:
+            return ""
+        trusted = self.good  # this peer too only once in good standing: others see its first updates alike
+        if sender in trusted:
+            for entry, cosine in matches:
+                if entry[0] not in trusted and not entry[3]:
+                    self._take_back(entry, "copy" if cosine > 0 else "negated_copy", now)
+            return ""
+        for entry, cosine in matches:
+            if entry[0] in trusted:
+                return "copy" if cosine > 0 else "negated_copy"
+        for entry, _ in matches:
+            if not entry[3]:
+                self._take_back(entry, TIED, now)
+        return TIED
+
+    def _take_back(self, entry: list, reason: str, now: float) -> None:
+        """A window payload that merged with a weight turned out to be a copy: queue its take-back."""
+        author, seq, _, _ = entry
+        entry[3] = True
+        self._found.append((author, seq, reason))
+        self.stats[reason] += 1
+        if reason in REFUSALS:
+            self._strike(author, Verdict(0.0, reason), now)
+        else:  # a tie: its weight is gone, so it counts in nothing (`swarm_size`) until an update of it merges
+            self.recent.pop(author, None)
+
+    def _strike(self, sender: str, verdict: Verdict, now: float) -> None:
+        """A refusal: one strike, `DISTRUST_STRIKES` in a row distrust the author; it loses any standing."""
+        strikes = self.strikes.pop(sender, 0) + 1
+        self._log_refusal(sender, verdict, strikes, now)
+        if strikes >= DISTRUST_STRIKES:
+            self.distrusted[sender] = verdict.reason
+            while len(self.distrusted) > MAX_DISTRUSTED:
+                self.distrusted.popitem(last=False)
+        else:
+            self.strikes[sender] = strikes
+            while len(self.strikes) > MAX_DISTRUSTED:
+                self.strikes.pop(next(iter(self.strikes)))
+        self.recent.pop(sender, None)
+        self.good.discard(sender)
 
     def inheritance(self, limit: int) -> tuple[list[str], list[str]]:
         """(authors whose last update merged here with a weight, distrusted authors), the `limit` most recent of
@@ -281,19 +356,6 @@ class Standing:
         sample = delta.reshape(-1)[self._sample_at].float()
         norm = float(sample.norm())
         return sample / norm if norm > 0 and math.isfinite(norm) else None
-
-    def _copied(self, sender: str, delta: Tensor) -> str:
-        """"copy" / "negated_copy" if `delta` is (up to a scale) a recent payload of another author, else ""."""
-        others = [s for author, s in self._window if author != sender]
-        sample = self._sample(delta) if others else None
-        if sample is None:
-            return ""
-        cosines = torch.stack(others) @ sample
-        if float(cosines.max()) >= self.copy_cosine:
-            return "copy"
-        if float(cosines.min()) <= -self.copy_cosine:
-            return "negated_copy"
-        return ""
 
     def _fold(self, delta: Tensor) -> None:
         norm = float(delta.norm())

@@ -220,19 +220,111 @@ def test_a_joiner_merges_only_its_donors_trusted_authors_until_it_can_vet() -> N
     assert joiner.judge("stranger", 42, -direction(5)).reason == "disagrees"
 
 
+def _good_authors(s: Standing, authors: list[str], seed: int = 3) -> list[torch.Tensor]:
+    """A reference (our own updates) and `authors` in good standing (a full-weight update along it each)."""
+    base = torch.ones(4096)
+    for i in range(3):
+        own = base + 0.3 * torch.randn(4096, generator=torch.Generator().manual_seed(100 + i))
+        s.observe("me", own, s.judge("me", i + 1, own), now=float(i), seq=i + 1)
+    g = torch.Generator().manual_seed(seed)
+    payloads = [base + 0.3 * torch.randn(4096, generator=g) for _ in authors]  # honest pairs: cosine ~0.92
+    for author, delta in zip(authors, payloads):
+        s.observe(author, delta, s.judge(author, 5, delta), now=3.0, seq=5)
+    assert set(authors) <= s.good
+    return payloads
+
+
+def vetting(**kwargs: object) -> Standing:
+    """The defaults' vetting: the copy test only."""
+    return standing(copy_cosine=0.9999, min_agreement=-1.0, max_norm_ratio=0.0, **kwargs)
+
+
 def test_copies_and_negated_copies_of_anothers_work_are_refused() -> None:
     """A crowd that computes nothing can only re-sign what others sent: scaled (x0.5..x5) or negated, it is
     the same direction on every coordinate, whatever the reference says (late in a run honest updates and their
     negations both sit near the reference's cosine 0, where no threshold on it can tell them apart)."""
-    s = standing(copy_cosine=0.99)
-    g = torch.Generator().manual_seed(3)
-    honest = [torch.randn(4096, generator=g) for _ in range(4)]  # unrelated honest payloads (cosines ~0.02)
-    for k, delta in enumerate(honest):
-        s.observe(f"h{k}", delta, s.judge(f"h{k}", 5, delta), now=float(k))
-    assert all(s.judge(f"h{k}", 6, torch.randn(4096, generator=g)).multiplier == 1.0 for k in range(4))
+    s = vetting()
+    honest = _good_authors(s, ["h0", "h1", "h2", "h3"])
+    g = torch.Generator().manual_seed(4)
+    assert all(s.judge(f"h{k}", 6, torch.ones(4096) + 0.3 * torch.randn(4096, generator=g)).multiplier == 1.0
+               for k in range(4))
     assert s.judge("crowd", 1, 3.0 * honest[1]).reason == "copy"
     assert s.judge("crowd", 1, -0.5 * honest[2]).reason == "negated_copy"
     assert s.judge("h0", 6, honest[0] * 2).multiplier == 1.0  # its own work again is no copy
     for k in range(DISTRUST_STRIKES):  # three in a row: distrusted
-        s.observe("crowd", -honest[3], s.judge("crowd", 2 + k, -honest[3]), now=10.0)
-    assert "crowd" in s.distrusted
+        s.observe("crowd", -honest[3], s.judge("crowd", 2 + k, -honest[3]), now=10.0, seq=2 + k)
+    assert "crowd" in s.distrusted and s.copies_found() == []
+
+
+def test_a_copy_that_beats_its_original_is_found_when_the_original_comes() -> None:
+    """A fast copier's copy can reach a replica before the original: it merges (on probation), and the moment
+    the original of an author in good standing merges, the copy is found (a strike) for its weight to be taken
+    back, so every replica that holds both ends alike whatever the order."""
+    s = vetting()
+    _good_authors(s, ["h"])
+    original = torch.ones(4096) + 0.3 * torch.randn(4096, generator=torch.Generator().manual_seed(9))
+    early = s.judge("crowd", 1, -original)
+    assert early.multiplier == 0.25  # nothing to compare with yet: probation
+    s.observe("crowd", -original, early, now=5.0, seq=1)
+    verdict = s.judge("h", 6, original)
+    assert verdict.multiplier == 1.0
+    s.observe("h", original, verdict, now=6.0, seq=6)
+    assert s.copies_found() == [("crowd", 1, "negated_copy")] and s.strikes["crowd"] == 1
+    assert s.copies_found() == []  # drained
+
+
+def test_two_newcomers_with_one_payload_both_merge_at_zero() -> None:
+    """Neither author in good standing: no local fact says which is the original, so both merge at 0 (no
+    strike), whichever came first; the honest one still earns good standing by seq and agreement."""
+    payload = torch.ones(4096) + 0.3 * torch.randn(4096, generator=torch.Generator().manual_seed(5))
+    alone = vetting()
+    _good_authors(alone, [])
+    first = alone.judge("newcomer", 3, payload)
+    alone.observe("newcomer", payload, first, now=1.0, seq=3)
+    assert first.multiplier == 1.0 and "newcomer" in alone.good  # full weight, along the reference
+    s = vetting()
+    _good_authors(s, [])
+    s.observe("crowd", 2.0 * payload, s.judge("crowd", 1, 2.0 * payload), now=1.0, seq=1)
+    tie = s.judge("newcomer", 3, payload)
+    assert tie.multiplier == 0.0 and tie.reason == "tied_copy"
+    s.observe("newcomer", payload, tie, now=2.0, seq=3)
+    assert s.copies_found() == [("crowd", 1, "tied_copy")] and not s.strikes
+    assert "newcomer" in s.good and "crowd" not in s.good  # the tie costs weight, not standing
+
+
+def _take_back_found(r: Replica, updates: dict[tuple[str, int], FakeUpdate]) -> None:
+    """What Intake.take_back_copies does, with the test's updates as the store."""
+    assert r.standing is not None
+    for sender, seq, _ in r.standing.copies_found():
+        assert r.unmerge(updates[(sender, seq)], keep_slot=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_copies_merge_at_zero_on_every_replica_whatever_the_order(rng) -> None:
+    """Two honest authors in good standing, a newcomer on probation and two copiers that re-sign their work
+    (negated, scaled): in any order of arrival both replicas end equal, with every copy at weight 0 and the
+    honest work merged (the newcomer's copied update at 0 too: a tie)."""
+    g = torch.Generator().manual_seed(11)
+    pay = {k: (torch.ones(DIM) + 0.3 * torch.randn(DIM, generator=g)).tolist() for k in range(12)}
+    setup = [make("me", q, 1.0, payload=pay[q - 1]) for q in (1, 2, 3)]
+    setup += [make(a, q, 1.0, payload=pay[3 + 3 * i + q - 1]) for i, a in enumerate("ab") for q in (1, 2, 3)]
+    honest = [make("a", 4, 1.0, payload=pay[9]), make("b", 4, 1.0, payload=pay[10]),
+              make("n", 1, 1.0, payload=pay[11])]
+    copies = [make("x", 1, 1.0, payload=[-v for v in pay[9]]), make("x", 2, 1.0, payload=[3 * v for v in pay[10]]),
+              make("y", 1, 1.0, payload=[0.5 * v for v in pay[11]])]
+    everything = {(u.sender, u.seq): u for u in setup + honest + copies}
+    replicas = []
+    for order in (honest + copies, rng.sample(honest + copies, len(honest) + len(copies))):
+        r = replica_with_standing(copy_cosine=0.9999, min_agreement=-1.0, max_norm_ratio=0.0)
+        for u in setup + order:
+            r.offer(u)
+            _take_back_found(r, everything)
+        replicas.append(r)
+    a, b = replicas
+    assert a.version_vector == b.version_vector
+    torch.testing.assert_close(a.theta, b.theta, rtol=0, atol=1e-5)
+    expected = theta0().double()
+    for u in setup + honest[:2]:
+        expected -= OUTER_LR * probation_multiplier(u.seq, 0.25) * torch.tensor(u.payload).double()
+    torch.testing.assert_close(a.theta, expected.float(), rtol=0, atol=1e-5)
