@@ -37,7 +37,9 @@ from p2p_diloco.sync.standing import REFUSALS, TIED, probation_multiplier
 from p2p_diloco.train.data import load_corpus
 
 ATTACKS = {"sign_flip": ("sign_flip", 1.0, 1.0), "scale5": ("scale", 5.0, 1.0),
-           "scale5-nobound": ("scale", 5.0, 0.0), "scale2": ("scale", 2.0, 1.0), "noise": ("noise", 1.0, 1.0)}
+           "scale5-nobound": ("scale", 5.0, 0.0), "scale2": ("scale", 2.0, 1.0), "noise": ("noise", 1.0, 1.0),
+           # the crowd starts once peer 0 is in good standing (its 5th update): its copies lose every pair
+           "sign_flip-late": ("sign_flip", 1.0, 1.0, 4), "scale5-nobound-late": ("scale", 5.0, 0.0, 4)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
                           copy_cosine=0.0),
             "standing": {}}
@@ -53,7 +55,7 @@ def run_one(job: dict) -> dict:
     torch.set_num_threads(1)
     logging.getLogger("p2p_diloco").setLevel(logging.ERROR)
     base = preset(job["preset"])
-    mode, factor, norm_bound = ATTACKS.get(job["attack"], ("sign_flip", 1.0, 1.0))  # clean: no crowd
+    mode, factor, norm_bound, *after = ATTACKS.get(job["attack"], ("sign_flip", 1.0, 1.0))  # clean: no crowd
     defence = DefenceConfig(norm_bound=norm_bound, **DEFENCES[job["defence"]])
     inner = dataclasses.replace(base.inner, inner_steps=job["inner_steps"], decay_steps=job["steps_per_peer"])
     spec = dataclasses.replace(base, seed=job["seed"], inner=inner, defence=defence)
@@ -63,7 +65,7 @@ def run_one(job: dict) -> dict:
         _CORPUS["corpus"] = load_corpus(spec.data)
     count = "records" if job["defence"] == "today" else "proven"
     t0 = time.time()
-    swarm = CrowdSwarm(spec, sim, _CORPUS["corpus"], CrowdAttack(job["crowd"], mode, factor, count))
+    swarm = CrowdSwarm(spec, sim, _CORPUS["corpus"], CrowdAttack(job["crowd"], mode, factor, count, *after))
     try:
         result = swarm.run()
     except Exception as e:  # noqa: BLE001 (a replica pushed so far that an honest update fails its checks)

@@ -37,6 +37,7 @@ class CrowdAttack:
     mode: str = "sign_flip"  # sign_flip | scale | noise (random direction, honest norm x factor) | mixed
     factor: float = 5.0
     count: str = "proven"  # proven | records: who counts in the swarm's size
+    after: int = 0  # the crowd copies peer 0's updates from its seq after+1 on (0: from its first)
 
 
 class CrowdSwarm(HostileSwarm):
@@ -79,6 +80,8 @@ class CrowdSwarm(HostileSwarm):
         self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
 
     def _crowd_publishes(self, source: SimPeer, honest: OuterUpdate) -> None:
+        if honest.seq <= self.attack.after:
+            return
         codec, h = source.learner.codec, honest.header
         d = codec.decompress(honest.payload, h.numel)
         flipped, scaled = codec.compress(-d), codec.compress(d * self.attack.factor)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from p2p_diloco.config import RunSpec
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 HEADER_ALLOWANCE_BYTES = 4096  # msgpack framing + header + signature; generous, still a hard bound
 MAX_EVIDENCE = 16
+MAX_UNTAKEN = 256
+"""Copies found before the store holds them (`take_back_copies` retries each once, at the next receive)."""
 """Proofs kept (the most recent senders'); each is two envelopes."""
 _NOT_REJECTIONS = (MergeOutcome.MERGED, MergeOutcome.BUFFERED, MergeOutcome.DUPLICATE)
 
@@ -84,6 +86,7 @@ class Intake:
         self.store: UpdateStore | None = None
         self._lock = threading.Lock()  # counts, events, evidence: the network side receives from worker threads
         self._last_log: dict[tuple[str, str], float] = {}
+        self._untaken: deque[tuple[str, int]] = deque(maxlen=MAX_UNTAKEN)  # copies found, not in the store yet
         self._log_interval_s = log_interval_s
 
     def attach_store(self, store: UpdateStore) -> None:
@@ -123,12 +126,19 @@ class Intake:
         if standing is None:
             return
         with self.replica.lock:
-            found = standing.copies_found()
-        for sender, seq, _ in found:
+            found = [(sender, seq) for sender, seq, _ in standing.copies_found()]
+        with self._lock:  # a copy merged on a worker thread reaches the store a moment later: retried
+            todo, self._untaken = [*self._untaken, *found], deque(maxlen=MAX_UNTAKEN)
+        for sender, seq in todo:
             update = self.store.get(sender, seq) if self.store is not None else None
             done = update is not None and self.replica.unmerge(update, keep_slot=True)
             with self._lock:
-                self.events["copies_taken_back" if done else "copies_not_held"] += 1
+                if done:
+                    self.events["copies_taken_back"] += 1
+                elif update is None and (sender, seq) in found:
+                    self._untaken.append((sender, seq))  # once more, at the next receive
+                else:
+                    self.events["copies_not_held"] += 1
 
     def expire_gaps(self, now_s: float | None = None) -> list[UpdateLike]:
         """Skip gaps that waited longer than the RunSpec's gap_timeout_s (`Replica.expire_gaps`); called on

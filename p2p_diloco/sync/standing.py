@@ -19,14 +19,19 @@ the test never touches honest work, and an honest swarm's replicas stay exactly 
 payload of an author in good standing is the original: the other merges at 0 with a strike, and if it came
 first (a fast copier beats the original to some replicas) its weight is taken back when the original merges
 (`copies_found`, `Intake.take_back_copies`). When neither author is in good standing (a crowd copying a
-newcomer on probation) no local fact tells them apart, so both merge at 0 (TIED, no strike). Either way every
-replica that holds both ends alike, whatever the order. After `DISTRUST_STRIKES` refusals in a row the author
+newcomer on probation) no local fact tells them apart, so both merge at 0 (TIED, no strike, no standing
+earned). Either way every replica that holds both ends alike, whatever the order. The price: a crowd that
+copies each update of a newcomer keeps it at weight 0 until one of its updates goes uncopied (denial, not
+poisoning). After `DISTRUST_STRIKES` refusals in a row the author
 is *distrusted*: every later update of it merges at 0. The slot still counts as merged (V advances), so
 gossip, repair and the vectors work as before; only its weight is gone.
 
-*Good standing* is an author whose last update merged at full weight (past probation) pointing along this
-replica's *reference* (cosine > PROMOTE_AGREEMENT; the reference is an exponential average of this peer's own
-payloads and of such updates), and never refused since. It is the one local fact vetting uses: where a copy
+*Good standing* is an author whose last two updates (seqs k-1 and k) merged at full weight (past probation)
+pointing along this replica's *reference* (cosine > PROMOTE_AGREEMENT; the reference is an exponential average
+of the payloads of authors in good standing, this peer's own included), the first not matched by a copy when
+the second came, and never refused since (a copy that beat its original looks like an original until the
+original comes, which in a swarm is well before the copier's next copy). This peer earns it the same way, so
+its own first updates are judged as everyone else judges them. It is the one local fact vetting uses: where a copy
 races an author's update around its promotion, two replicas can still judge differently and differ by that
 update's weighted payload (at most `outer_lr * max_weight * step_ceiling` per coordinate, the bound the repair
 uses). A joiner, which holds no reference or window before its own first update, merges only its donor's
@@ -72,8 +77,11 @@ come close only at a run's start (first updates from one init: 0.91 at H=20, and
 COPY_SAMPLE = 4096
 """Coordinates (fixed, drawn once per model size) the copy test compares: a cosine over them is within ~0.02 of
 the full one for dense payloads, and a copy, scaled or negated, is exact on any subset."""
-COPY_WINDOW = 64
-"""Recent payloads a new one is compared with (the last few rounds of a swarm of a dozen)."""
+COPY_WINDOW = 1024
+"""Recent payloads a new one is compared with (4 KiB each). A copy is found only while its original or copy
+is still here: at 64, 100 copies of one update pushed the first ones out before the original came (their
+authors were never struck; ties had already taken their weight), and a crowd could evict a copy on purpose with
+junk; 1024 (4 MiB, one 1024 x 4096 product per update) covers rounds of hundreds of identities."""
 MAX_INHERITED = 512
 """Authors of each kind a donor passes to a joiner (`inheritance`), the most recent first."""
 MAX_DISTRUSTED = 1 << 16
@@ -88,6 +96,7 @@ COPY_SEED = 0x5EED
 REFUSALS = ("disagrees", "too_long", "copy", "negated_copy")
 TIED = "tied_copy"
 """Two authors not in good standing sent one payload (up to a scale): both merge at 0, with no strike."""
+REFUSED = "refused"  # a window entry found to copy an author in good standing (its author struck)
 """Verdicts that refuse an update and count a strike against its author."""
 AGREEMENT_DECAY = 0.5
 """An author's average agreement: each update's cosine counts half, the past the other half."""
@@ -155,10 +164,12 @@ class Standing:
         # recent first; `good` marks the authors whose last such merge was vetted and at full weight
         self.recent: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.good: set[str] = set()
+        self._candidates: OrderedDict[str, int] = OrderedDict()  # author -> seq of its last update that could
+        # count towards good standing (full weight, along the reference, not matched by a copy so far)
         self.stats: dict[str, int] = {"probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
                                       "copy": 0, "negated_copy": 0, TIED: 0, "distrusted": 0, "unvetted": 0}
         self.copy_cosine = copy_cosine
-        # [author, seq, unit sample, zeroed: merged at 0 or taken back], newest last
+        # [author, seq, unit sample, state: "" (merged with a weight), TIED or REFUSED], newest last
         self._window: deque[list] = deque(maxlen=COPY_WINDOW)
         self._last: tuple[str, int, Tensor | None] = ("", 0, None)  # the last sample `_copy_test` took
         # (author, seq, reason) of merged copies found only when their original came (`copies_found`)
@@ -218,24 +229,36 @@ class Standing:
         if self.copy_cosine > 0 and (verdict.multiplier > 0 or tied):
             sample = self._last[2] if self._last[:2] == (sender, seq) else self._sample(delta)
             if sample is not None:
-                self._window.append([sender, seq, sample, tied])
-        # A tie costs the weight, not the standing: an honest newcomer whose work a crowd copies still earns
-        # good standing by seq and agreement, and from then on its originals win.
-        earned = 1.0 if tied and probation_multiplier(seq, self.probation) >= 1.0 and \
-            verdict.agreement > PROMOTE_AGREEMENT else verdict.multiplier
-        if earned <= 0:  # low agreement (or distrusted): counts in nothing until it earns it again
+                self._window.append([sender, seq, sample, TIED if tied else ""])
+        # A tie earns nothing, not even standing: the two are symmetric, and a scaled copy points along the
+        # reference as well as its original does.
+        if verdict.multiplier <= 0:  # tied, low agreement or distrusted: counts in nothing until it earns it again
             self.recent.pop(sender, None)
             self.good.discard(sender)
+            self._candidates.pop(sender, None)
             return
         self.recent.pop(sender, None)
-        self.recent[sender] = (now, earned)
-        if earned >= 1.0 and (tied or verdict.vetted or sender == self.self_id):
-            self.good.add(sender)
+        self.recent[sender] = (now, verdict.multiplier)
+        if verdict.multiplier >= 1.0 and (verdict.vetted or (sender == self.self_id and
+                                                            math.isnan(verdict.agreement))):
+            # Good standing takes two such updates in a row (seq k-1 and k), the first still unmatched when the
+            # second comes: a copy that beat its original here looks like an original, until the original
+            # comes (a tie, or the copy's take-back), which in a swarm is well before the copier's next copy
+            # (measured with one: a copier won a race, was promoted, and its x5 copies then merged at full
+            # weight on that replica, +385% eval loss, replicas 1.2 apart).
+            if self._candidates.pop(sender, None) == seq - 1:
+                self.good.add(sender)
+            self._candidates[sender] = seq
+            while len(self._candidates) > MAX_STANDING:
+                self._candidates.popitem(last=False)
         else:
             self.good.discard(sender)
+            self._candidates.pop(sender, None)
         while len(self.recent) > MAX_STANDING:
-            self.good.discard(self.recent.popitem(last=False)[0])
-        if sender == self.self_id or (verdict.multiplier >= 1.0 and verdict.vetted):
+            author = self.recent.popitem(last=False)[0]
+            self.good.discard(author)
+            self._candidates.pop(author, None)
+        if sender == self.self_id or sender in self.good:
             self._fold(delta)
 
     def copies_found(self) -> list[tuple[str, int, str]]:
@@ -267,7 +290,7 @@ class Standing:
         trusted = self.good  # this peer too only once in good standing: others see its first updates alike
         if sender in trusted:
             for entry, cosine in matches:
-                if entry[0] not in trusted and not entry[3]:
+                if entry[0] not in trusted and entry[3] != REFUSED:  # a tie among copiers is a copy too
                     self._take_back(entry, "copy" if cosine > 0 else "negated_copy", now)
             return ""
         for entry, cosine in matches:
@@ -279,10 +302,14 @@ class Standing:
         return TIED
 
     def _take_back(self, entry: list, reason: str, now: float) -> None:
-        """A window payload that merged with a weight turned out to be a copy: queue its take-back."""
-        author, seq, _, _ = entry
-        entry[3] = True
-        self._found.append((author, seq, reason))
+        """A window payload turned out to be a copy: queue the take-back of its weight (none left if it tied)
+        and, for a copy of an author in good standing, strike its author."""
+        author, seq, _, state = entry
+        entry[3] = REFUSED if reason in REFUSALS else TIED
+        if not state:
+            self._found.append((author, seq, reason))
+        if self._candidates.get(author) == seq:  # no longer an unmatched full-weight update
+            self._candidates.pop(author)
         self.stats[reason] += 1
         if reason in REFUSALS:
             self._strike(author, Verdict(0.0, reason), now)

@@ -17,12 +17,12 @@ from p2p_diloco.train.data import load_corpus
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(crowd: int) -> tuple[CrowdSwarm, dict]:
+def _run(crowd: int, *, after: int = 0, steps: int = 240) -> tuple[CrowdSwarm, dict]:
     base = preset("test")
-    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=80),
+    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=steps // 3),
                                defence=DefenceConfig())
-    sim = SimConfig(peers=3, total_steps=240, eval_batches=8, eval_every_s=240.0)
-    swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "mixed", 5.0))
+    sim = SimConfig(peers=3, total_steps=steps, eval_batches=8, eval_every_s=float(steps))
+    swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(crowd, "mixed", 5.0, after=after))
     return swarm, swarm.honest_summary(swarm.run())
 
 
@@ -40,3 +40,15 @@ def test_ten_poisoning_identities_cost_the_honest_replicas_at_most_five_percent(
         assert weights and not any(weights.values()), "a sign-flipping identity kept its weight somewhere"
         assert flippers.isdisjoint(replica.standing.recent)  # nor counts in the swarm's size
         assert scalers <= set(replica.banned), "an x5 identity was not banned somewhere"
+
+
+def test_a_crowd_that_comes_late_is_refused_and_distrusted_everywhere() -> None:
+    """The crowd starts once peer 0 is in good standing (from its 5th update): each copy loses its pair (taken
+    back where it beat its original), and every sign-flipping identity ends distrusted on every replica."""
+    _, clean = _run(0, steps=480)
+    swarm, attacked = _run(10, after=4, steps=480)
+    assert attacked["finite"] and attacked["eval_loss"] <= 1.05 * clean["eval_loss"], (clean, attacked)
+    assert attacked["divergence"] < 1e-5
+    flippers = {identity.peer_id for i, identity in enumerate(swarm.crowd) if i % 2 == 0}
+    for peer in swarm._alive():
+        assert flippers <= set(peer.learner.replica.standing.distrusted), peer.index

@@ -93,10 +93,10 @@ def test_replicas_merging_one_set_in_any_order_stay_equal_under_probation(slots,
     torch.testing.assert_close(a.theta, expected.float(), rtol=0, atol=1e-5)
 
 
-def _with_reference(s: Standing, n: int = 3) -> None:
-    for i in range(n):  # our own updates are the first reference
+def _with_reference(s: Standing, n: int = 4) -> None:
+    for i in range(n):  # our own updates are the first reference (good standing: seqs 3 and 4 at full weight)
         delta = direction(100 + i)
-        s.observe("me", delta, s.judge("me", i + 1, delta), now=float(i))
+        s.observe("me", delta, s.judge("me", i + 1, delta), now=float(i), seq=i + 1)
 
 
 @pytest.mark.parametrize("attack, reason", [(lambda d: -d, "disagrees"), (lambda d: 5 * d, "too_long")])
@@ -132,7 +132,8 @@ def test_honest_looking_updates_pass_and_earn_standing_and_votes() -> None:
     for k, seq in enumerate((6, 7)):
         verdict = s.judge("b", seq, direction(k))
         assert verdict.multiplier == 1.0 and verdict.vetted and verdict.agreement > 0.5
-        s.observe("b", direction(k), verdict, now=5.0)
+        s.observe("b", direction(k), verdict, now=5.0, seq=seq)
+        assert ("b" in s.good) == (seq == 7)  # two full-weight updates in a row
     assert s.proven(now=10.0, window_s=10) == {"b", "me"}
     assert s.proven(now=100.0, window_s=10) == set()  # votes are for recent contributors only
 
@@ -140,7 +141,8 @@ def test_honest_looking_updates_pass_and_earn_standing_and_votes() -> None:
 def test_a_refused_crowd_adds_nothing_to_the_swarm_size() -> None:
     s = standing()
     _with_reference(s)
-    s.observe("b", direction(5), s.judge("b", 9, direction(5)), now=3.0)  # one honest peer in good standing
+    for seq in (8, 9):  # one honest peer in good standing
+        s.observe("b", direction(seq), s.judge("b", seq, direction(seq)), now=3.0, seq=seq)
     s.observe("new", direction(6), s.judge("new", 1, direction(6)), now=3.0)  # one newcomer on its 1st update
     for i in range(200):
         delta = -direction(1000 + i)
@@ -164,7 +166,7 @@ def test_tables_stay_bounded_whatever_the_number_of_identities(monkeypatch) -> N
         delta = bad if rng.random() < 0.5 else good
         sender = f"id{i}"
         for seq in range(3, 3 + rng.choice((1, DISTRUST_STRIKES))):  # some strike out, some stay on a strike
-            s.observe(sender, delta, s.judge(sender, seq, delta), now=float(i))
+            s.observe(sender, delta, s.judge(sender, seq, delta), now=float(i), seq=seq)
     assert len(s.recent) <= MAX_STANDING // 64 and s.good <= set(s.recent)
     assert len(s.strikes) <= MAX_DISTRUSTED // 64 and len(s.distrusted) <= MAX_DISTRUSTED // 64
     assert len(s.distrusted) > 0 and len(s.good) > 0
@@ -223,10 +225,13 @@ def test_a_joiner_merges_only_its_donors_trusted_authors_until_it_can_vet() -> N
 def _good_authors(s: Standing, authors: list[str], seed: int = 3) -> list[torch.Tensor]:
     """A reference (our own updates) and `authors` in good standing (a full-weight update along it each)."""
     base = torch.ones(4096)
-    for i in range(3):
+    for i in range(4):
         own = base + 0.3 * torch.randn(4096, generator=torch.Generator().manual_seed(100 + i))
         s.observe("me", own, s.judge("me", i + 1, own), now=float(i), seq=i + 1)
     g = torch.Generator().manual_seed(seed)
+    for author in authors:  # an earlier update of each, then the one returned
+        delta = base + 0.3 * torch.randn(4096, generator=g)
+        s.observe(author, delta, s.judge(author, 4, delta), now=3.0, seq=4)
     payloads = [base + 0.3 * torch.randn(4096, generator=g) for _ in authors]  # honest pairs: cosine ~0.92
     for author, delta in zip(authors, payloads):
         s.observe(author, delta, s.judge(author, 5, delta), now=3.0, seq=5)
@@ -275,13 +280,16 @@ def test_a_copy_that_beats_its_original_is_found_when_the_original_comes() -> No
 
 def test_two_newcomers_with_one_payload_both_merge_at_zero() -> None:
     """Neither author in good standing: no local fact says which is the original, so both merge at 0 (no
-    strike), whichever came first; the honest one still earns good standing by seq and agreement."""
+    strike), whichever came first, and neither earns standing by it (a scaled copy points along the reference
+    as well as its original does)."""
     payload = torch.ones(4096) + 0.3 * torch.randn(4096, generator=torch.Generator().manual_seed(5))
     alone = vetting()
     _good_authors(alone, [])
     first = alone.judge("newcomer", 3, payload)
     alone.observe("newcomer", payload, first, now=1.0, seq=3)
-    assert first.multiplier == 1.0 and "newcomer" in alone.good  # full weight, along the reference
+    assert first.multiplier == 1.0 and "newcomer" not in alone.good  # one update: a candidate
+    alone.observe("newcomer", payload + 0.1, alone.judge("newcomer", 4, payload + 0.1), now=1.0, seq=4)
+    assert "newcomer" in alone.good  # two in a row, unmatched
     s = vetting()
     _good_authors(s, [])
     s.observe("crowd", 2.0 * payload, s.judge("crowd", 1, 2.0 * payload), now=1.0, seq=1)
@@ -289,7 +297,7 @@ def test_two_newcomers_with_one_payload_both_merge_at_zero() -> None:
     assert tie.multiplier == 0.0 and tie.reason == "tied_copy"
     s.observe("newcomer", payload, tie, now=2.0, seq=3)
     assert s.copies_found() == [("crowd", 1, "tied_copy")] and not s.strikes
-    assert "newcomer" in s.good and "crowd" not in s.good  # the tie costs weight, not standing
+    assert not s.good & {"newcomer", "crowd"}
 
 
 def _take_back_found(r: Replica, updates: dict[tuple[str, int], FakeUpdate]) -> None:
@@ -306,13 +314,12 @@ def test_copies_merge_at_zero_on_every_replica_whatever_the_order(rng) -> None:
     (negated, scaled): in any order of arrival both replicas end equal, with every copy at weight 0 and the
     honest work merged (the newcomer's copied update at 0 too: a tie)."""
     g = torch.Generator().manual_seed(11)
-    pay = {k: (torch.ones(DIM) + 0.3 * torch.randn(DIM, generator=g)).tolist() for k in range(12)}
-    setup = [make("me", q, 1.0, payload=pay[q - 1]) for q in (1, 2, 3)]
-    setup += [make(a, q, 1.0, payload=pay[3 + 3 * i + q - 1]) for i, a in enumerate("ab") for q in (1, 2, 3)]
-    honest = [make("a", 4, 1.0, payload=pay[9]), make("b", 4, 1.0, payload=pay[10]),
-              make("n", 1, 1.0, payload=pay[11])]
-    copies = [make("x", 1, 1.0, payload=[-v for v in pay[9]]), make("x", 2, 1.0, payload=[3 * v for v in pay[10]]),
-              make("y", 1, 1.0, payload=[0.5 * v for v in pay[11]])]
+    pay = [(torch.ones(DIM) + 0.3 * torch.randn(DIM, generator=g)).tolist() for _ in range(15)]  # all different
+    setup = [make(a, q, 1.0, payload=pay[4 * i + q - 1]) for i, a in enumerate(("me", "a", "b")) for q in (1, 2, 3, 4)]
+    honest = [make("a", 5, 1.0, payload=pay[12]), make("b", 5, 1.0, payload=pay[13]),
+              make("n", 1, 1.0, payload=pay[14])]
+    copies = [make("x", 1, 1.0, payload=[-v for v in pay[12]]), make("x", 2, 1.0, payload=[3 * v for v in pay[13]]),
+              make("y", 1, 1.0, payload=[0.5 * v for v in pay[14]])]
     everything = {(u.sender, u.seq): u for u in setup + honest + copies}
     replicas = []
     for order in (honest + copies, rng.sample(honest + copies, len(honest) + len(copies))):
