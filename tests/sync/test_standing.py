@@ -4,42 +4,16 @@ swarm's size or the votes, and every table stays bounded whatever the number of 
 
 from __future__ import annotations
 
-import hashlib
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_replica import DIM, MAX_WEIGHT, OUTER_LR, FakeUpdate, FnCodec, decode, make, theta0  # the same fakes
 
 from p2p_diloco.sync.replica import MergeOutcome, Replica
 from p2p_diloco.sync.standing import DISTRUST_STRIKES, MAX_DISTRUSTED, MAX_STANDING, Standing, probation_multiplier
-
-DIM, OUTER_LR, MAX_WEIGHT = 16, 0.7, 2.0
-
-
-@dataclass(frozen=True)
-class FakeUpdate:
-    sender: str
-    seq: int
-    update_id: bytes
-    weight: float
-    payload: tuple[float, ...]
-    nbytes: int = 4 * DIM
-
-
-def make(sender: str, seq: int, weight: float, *, payload: list[float]) -> FakeUpdate:
-    return FakeUpdate(sender, seq, hashlib.sha256(f"{sender}/{seq}".encode()).digest(), weight, tuple(payload))
-
-
-class FnCodec:
-    def decompress(self, data: tuple[float, ...], numel: int) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.float32)
-
-
-def theta0() -> torch.Tensor:
-    return torch.linspace(-1.0, 1.0, DIM)
 
 
 def standing(**kwargs: object) -> Standing:
@@ -56,7 +30,7 @@ def direction(seed: int, base: torch.Tensor | None = None, noise: float = 0.3) -
 
 
 def replica_with_standing(**kwargs: object) -> Replica:
-    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec())
+    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec(decode))
     r.standing = standing(**kwargs)
     return r
 
