@@ -224,7 +224,6 @@ class Standing:
         if verdict.reason in REFUSALS:
             self._strike(sender, verdict, now)
             return
-        self.strikes.pop(sender, None)
         tied = verdict.reason == TIED
         if self.copy_cosine > 0 and (verdict.multiplier > 0 or tied):
             sample = self._last[2] if self._last[:2] == (sender, seq) else self._sample(delta)
@@ -248,6 +247,10 @@ class Standing:
             # weight on that replica, +385% eval loss, replicas 1.2 apart).
             if self._candidates.pop(sender, None) == seq - 1:
                 self.good.add(sender)
+                # Strikes reset only here, on proof of own work: a copy that merged before its original would
+                # otherwise reset its author's strikes every round (100 copiers that always won the race to one
+                # replica were never distrusted there).
+                self.strikes.pop(sender, None)
             self._candidates[sender] = seq
             while len(self._candidates) > MAX_STANDING:
                 self._candidates.popitem(last=False)

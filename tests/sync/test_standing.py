@@ -87,13 +87,20 @@ def test_sign_flipped_and_scaled_payloads_are_refused_then_their_author_distrust
 
 
 def test_one_refusal_costs_that_update_only() -> None:
-    """An honest sender's rare borderline update must not cost it the run: strikes reset on a good update."""
+    """An honest sender's rare borderline update must not cost it the run: strikes reset once two good updates in
+    a row prove its own work (not on any merge: a copy that beat its original would reset them too)."""
     s = standing()
     _with_reference(s)
     for k in range(3 * DISTRUST_STRIKES):
-        delta = -direction(k) if k % 2 == 0 else direction(k)
-        s.observe("noisy", delta, s.judge("noisy", 10 + k, delta), now=10.0 + k)
+        delta = -direction(k) if k % 3 == 0 else direction(k)
+        s.observe("noisy", delta, s.judge("noisy", 10 + k, delta), now=10.0 + k, seq=10 + k)
     assert "noisy" not in s.distrusted
+    s2 = standing()
+    _with_reference(s2)
+    for k in range(2 * DISTRUST_STRIKES):  # every other update refused: never two good ones in a row
+        delta = -direction(k) if k % 2 == 0 else direction(k)
+        s2.observe("flaky", delta, s2.judge("flaky", 10 + k, delta), now=10.0 + k, seq=10 + k)
+    assert "flaky" in s2.distrusted
     assert s.judge("noisy", 50, direction(50)).multiplier == 1.0
 
 
