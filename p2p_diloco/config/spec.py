@@ -231,10 +231,10 @@ class DefenceConfig:
     default: with H=2 honest updates after a pause or a join measured 3.2-3.9x; a crowd's scaled copies are caught
     as copies, and the norm bound refuses what is far too long)."""
     copy_cosine: float = 0.9999
-    """An update of an author not yet in good standing whose |cosine| with a recent payload of another author is
-    at least this is a copy (or a negated copy: a sign-flip of someone's work) and merges at 0; 0 disables. A
-    re-signed copy decodes to exactly the same direction; honest first updates from one init come close (0.99
-    refused some at H=2)."""
+    """Two payloads of different authors whose |cosine| is at least this are copies (one of them re-signed,
+    scaled or negated): the one of an author in good standing wins, the other merges at 0 (taken back if it
+    came first); neither in good standing, both merge at 0 (sync/standing.py); 0 disables. A re-signed copy
+    decodes to exactly the same direction; honest first updates from one init came within 0.99 at H=2."""
     full_agreement: float = 0.0
     """An author's updates merge at 0 while the average cosine of its updates with the reference is below this;
     0 disables (the default: late in a run honest authors averaged down to -0.17, so any positive threshold
