@@ -54,7 +54,8 @@ class AccessConfig:
 
 @dataclass(frozen=True)
 class RateLimitConfig:
-    """Per-remote limits on requests and bytes, so one remote cannot take a peer's time from the others."""
+    """Per-remote limits on requests and bytes, and pull slots and uplink shared by what remotes gave, so neither
+    one remote nor a crowd of fresh identities can take a peer's time from the others."""
 
     announces_per_s: float = 30.0
     """Announces accepted per remote per second (sustained); more are refused as rate limited. An honest peer
@@ -81,7 +82,25 @@ class RateLimitConfig:
     """A remote that sent an invalid update (bad signature, garbage, wrong run or shape, non-finite...) is
     neither pulled from nor listened to for this many seconds (0: never)."""
     max_tracked_peers: int = 1024
-    """Remotes whose buckets and counters are kept (least recently seen forgotten first)."""
+    """Remotes whose buckets and counters are kept, for contributors (remotes that gave us verified updates) and
+    for the others each (least recently seen forgotten first: a crowd of fresh identities never evicts a
+    contributor's)."""
+    uplink_bytes_per_s: float = 128e6
+    """This peer's uplink budget for serving pulls and snapshots, all remotes together (0: none). Contributors
+    share (1 - newcomer_share) of it, the best-scored unchoked_contributors served even beyond it; all other
+    remotes share the rest (net/admission/uplink.py)."""
+    newcomer_share: float = 0.25
+    """Part of uplink_bytes_per_s that ALL remotes which never gave us anything share together, so a crowd of
+    fresh identities gets one share, not one each (a refused one is told "busy" and retries)."""
+    unchoked_contributors: int = 4
+    """Contributors with the best scores (bytes given minus cost), served even when the contributors' part of the
+    uplink is spent (tit-for-tat)."""
+    probation_pulls: int = 1
+    """Pull slots (of gossip.max_concurrent_pulls) shared by remotes that never gave us anything (at least 1, so a
+    new honest volunteer is still pulled from); contributors may use every slot."""
+    probation_timeout_s: float = 3.0
+    """A pull from a remote that never gave us anything must bring each part of its answer within this many
+    seconds (at most gossip.rpc_timeout_s), so a remote that stalls holds its slot briefly."""
 
     def validate(self) -> RateLimitConfig:
         rates = (self.announces_per_s, self.pulls_per_s, self.snapshot_requests_per_s, self.evidence_per_s,
@@ -90,8 +109,12 @@ class RateLimitConfig:
             raise ConfigError("rate limits (the ..._per_s options) and burst_s must be > 0")
         if self.max_streams_per_peer < 1 or self.max_tracked_peers < 1:
             raise ConfigError("max_streams_per_peer and max_tracked_peers must be >= 1")
-        if self.min_stream_bytes_per_s < 0 or self.penalty_s < 0:
-            raise ConfigError("min_stream_bytes_per_s and penalty_s must be >= 0")
+        if self.min_stream_bytes_per_s < 0 or self.penalty_s < 0 or self.uplink_bytes_per_s < 0:
+            raise ConfigError("min_stream_bytes_per_s, penalty_s and uplink_bytes_per_s must be >= 0")
+        if not 0 < self.newcomer_share < 1 or self.unchoked_contributors < 0:
+            raise ConfigError("newcomer_share must be in (0, 1) and unchoked_contributors >= 0")
+        if self.probation_pulls < 1 or not self.probation_timeout_s > 0:
+            raise ConfigError("probation_pulls must be >= 1 and probation_timeout_s > 0")
         return self
 
     def rate_of(self, kind: str) -> float:

@@ -217,6 +217,28 @@ class DefenceConfig:
     """Largest gap (in seqs) that is skipped; a larger one waits, as it needs a state sync, not a skip."""
     allowed_senders: tuple[str, ...] = ()
     """PeerIDs allowed to contribute updates, comma-separated (a closed swarm); empty allows every peer."""
+    probation: float = 0.25
+    """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
+    a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
+    min_agreement: float = -1.0
+    """Vetting: an update whose cosine with this replica's reference direction (recent updates in good standing)
+    is below this merges with weight 0 (3 in a row distrust its author); -1 disables (the default: a joiner's
+    honest first update measured -0.63 against two replicas' references and not a third's, whose replicas then
+    differed; late in a run honest updates measured -0.2). A sign-flipped copy early in a run ~-0.9; such copies
+    are caught as negated copies whatever this is."""
+    max_norm_ratio: float = 0.0
+    """Vetting: the same for an update longer than this multiple of the reference's recent norms; 0 disables (the
+    default: with H=2 honest updates after a pause or a join measured 3.2-3.9x; a crowd's scaled copies are caught
+    as copies, and the norm bound refuses what is far too long)."""
+    copy_cosine: float = 0.9999
+    """Two payloads of different authors whose |cosine| is at least this are copies (one of them re-signed,
+    scaled or negated): the one of an author in good standing wins, the other merges at 0 (taken back if it
+    came first); neither in good standing, both merge at 0 (sync/standing.py); 0 disables. A re-signed copy
+    decodes to exactly the same direction; honest first updates from one init came within 0.99 at H=2."""
+    full_agreement: float = 0.0
+    """An author's updates merge at 0 while the average cosine of its updates with the reference is below this;
+    0 disables (the default: late in a run honest authors averaged down to -0.17, so any positive threshold
+    refuses honest work there; early on, 0.1 keeps noise out)."""
 
     def validate(self) -> None:
         _require(self.norm_bound >= 0 and math.isfinite(self.norm_bound),
@@ -232,6 +254,13 @@ class DefenceConfig:
         _require(self.max_hole_span >= 1, f"defence.max_hole_span must be >= 1, got {self.max_hole_span}")
         _require(all(isinstance(s, str) and s for s in self.allowed_senders),
                  "defence.allowed_senders must be PeerID strings")
+        _require(0 < self.probation <= 1, f"defence.probation must be in (0, 1], got {self.probation}")
+        _require(-1 <= self.min_agreement < 1, f"defence.min_agreement must be in [-1, 1), got {self.min_agreement}")
+        _require(self.copy_cosine == 0 or 0.5 <= self.copy_cosine < 1,
+                 f"defence.copy_cosine must be 0 (off) or in [0.5, 1), got {self.copy_cosine}")
+        _require(0 <= self.full_agreement < 1, f"defence.full_agreement must be in [0, 1), got {self.full_agreement}")
+        _require(self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
+                 f"defence.max_norm_ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}")
 
 
 @dataclass(frozen=True)

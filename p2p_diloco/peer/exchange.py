@@ -14,6 +14,11 @@ from p2p_diloco.net.discovery.status import MAX_WEIGHTED_PEERS, swarm_samples_pe
 
 logger = logging.getLogger(__name__)
 
+MIN_VIEW_WINDOW_S = 30.0
+VIEW_WINDOW_ROUNDS = 6
+"""An author counts in the swarm's size while its last update merged here within this many of our rounds (at
+least MIN_VIEW_WINDOW_S): a peer a few times slower than us still counts between its updates."""
+
 
 class SwarmExchange:
     """The round loop's view of a `PeerNetwork` (peer/network.py) running on `loop`."""
@@ -23,8 +28,6 @@ class SwarmExchange:
         self.last_publish: Any = None  # concurrent.futures.Future of the last hand-over
         self.sent_at_publish = 0  # our bytes_sent counter when the last update was handed over
         self.last_nbytes = 0  # and that update's size
-        self._seen: dict[str, int] = {}  # sender -> highest seq we have merged from it
-        self._active_at: dict[str, float] = {}  # sender -> when its seq last advanced in our replica
         self._last_view_at: float | None = None
 
     def publish(self, update: Any) -> None:
@@ -34,29 +37,27 @@ class SwarmExchange:
         self.sent_at_publish, self.last_nbytes = self.network.counters.get("bytes_sent", 0), update.nbytes
 
     def swarm_view(self) -> Any:  # -> SwarmView
+        """How many peers' worth of updates the swarm makes per round, as our replica saw them merge within the
+        last few of our rounds (sync/standing.py `swarm_size`): a newcomer on probation counts a fraction, a
+        refused identity nothing. Never the DHT records: a crowd of fresh identities writes as many as it likes,
+        and each would shrink every honest update's weight. A local read; it never waits on the network."""
         from p2p_diloco.train.learner import SwarmView
 
-        node = self.network.node
-        me = node.peer_id if node else ""
-        num_peers, _ = swarm_samples_per_round(self.network.peers, me, self.samples_per_update)
-        # DHT records lag (a peer that started a few seconds later is not listed yet, and then every update
-        # would be signed with too large a weight): also count the senders whose updates advanced our replica
-        # within the last few of our rounds. Both are cheap local reads; neither waits on the network.
-        num_peers = min(MAX_WEIGHTED_PEERS + 1, max(num_peers, self._recent_senders(me) + 1))
-        return SwarmView(num_peers=num_peers, samples_per_round=self.samples_per_update * num_peers)
-
-    def _recent_senders(self, me: str) -> int:
         now = time.monotonic()
-        window_s = max(30.0, 3 * (now - self._last_view_at)) if self._last_view_at else 30.0
+        window_s = max(MIN_VIEW_WINDOW_S, VIEW_WINDOW_ROUNDS * (now - self._last_view_at)) \
+            if self._last_view_at else MIN_VIEW_WINDOW_S
         self._last_view_at = now
         learner = getattr(self.network, "learner", None)
-        if learner is not None:
-            for sender, seq in learner.replica.version_vector.items():
-                if sender != me and seq > self._seen.get(sender, 0):
-                    self._seen[sender], self._active_at[sender] = seq, now
-        for sender in [s for s, t in self._active_at.items() if now - t > window_s]:
-            del self._active_at[sender]  # bounded: only senders active within the window stay
-        return len(self._active_at)
+        standing = learner.replica.standing if learner is not None else None
+        if standing is not None:
+            with learner.replica.lock:
+                size = standing.swarm_size(learner.replica.clock(), window_s)
+            size = min(float(MAX_WEIGHTED_PEERS + 1), size)
+            return SwarmView(num_peers=max(1, round(size)), samples_per_round=self.samples_per_update * size)
+        node = self.network.node  # no standing (a replica built without a spec): the live records
+        num_peers, _ = swarm_samples_per_round(self.network.peers, node.peer_id if node else "",
+                                               self.samples_per_update)
+        return SwarmView(num_peers=num_peers, samples_per_round=self.samples_per_update * num_peers)
 
     def see_last_update_out(self, within_s: float) -> None:
         """After a stop request: give peers a moment (`within_s`, finish_phase_within_s) to pull our last

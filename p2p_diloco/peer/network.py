@@ -61,6 +61,9 @@ SYNC_RETRY_DELAY_S = 2.0
 REPAIR_GRACE_ANTI_ENTROPIES = 3.0
 """An update we merged and cannot serve must stay skipped by others for this many anti-entropy periods before
 we adopt a skipping peer's state (net/gossip/repair.py): time for a peer that still holds it to fill their holes."""
+PROVEN_WINDOW_S = 600.0
+"""A peer votes in repair while an update of its own merged here in good standing within this long (a peer
+that trains publishes every round; one that lingers, done, keeps its vote for a while)."""
 
 
 class SpecMismatchError(ConfigError):
@@ -253,9 +256,14 @@ class PeerNetwork:
         remembered (`sync_donor`): gossip pulls from it first, so catching up need not wait for anti-entropy."""
         from p2p_diloco.net.statesync.client import fetch_snapshot
 
+        manifests: list = []
         theta, vv, donor = await fetch_snapshot(self.node, self.run_id, self.spec_hash, donors, learner.numel,
-                                                self.sync_config, guard=self.guard, on_progress=self.sync_progress)
+                                                self.sync_config, guard=self.guard, on_progress=self.sync_progress,
+                                                on_manifest=manifests.append)
         learner.replica.load(theta, vv)
+        if learner.replica.standing is not None and manifests:  # whom to merge before we can vet (standing.py)
+            with learner.replica.lock:
+                learner.replica.standing.inherit(manifests[0].trusted, manifests[0].distrusted)
         self.sync_donor = donor  # serve() pulls from it at once: catch-up need not wait for anti-entropy
         return donor, vv, theta.numel()
 
@@ -299,7 +307,7 @@ class PeerNetwork:
         self._services.append(self.relay)
         store = UpdateStore(cfg.retained_bytes)
         self.repair = Repair(self.node, self.run_id, self.spec_hash, learner.replica, store, self.sync_config,
-                             known=lambda: self.gossip.known_vectors(), members=self._other_peer_ids,
+                             known=lambda: self.gossip.known_vectors(), members=self.proven_peer_ids,
                              guard=self.guard, grace_s=REPAIR_GRACE_ANTI_ENTROPIES * cfg.anti_entropy_s,
                              on_repaired=self._repaired)
         self._services.append(self.repair)
@@ -321,6 +329,16 @@ class PeerNetwork:
     def _other_peer_ids(self) -> list[str]:
         me = self.node.peer_id if self.node else ""
         return [pid for pid in self.peers if pid != me]
+
+    def proven_peer_ids(self) -> list[str]:
+        """Live members whose own updates merged here in good standing within PROVEN_WINDOW_S (sync/standing.py):
+        the only votes repair counts. A DHT record costs nothing to write; a contribution does."""
+        replica = self.learner.replica if self.learner is not None else None
+        if replica is None or replica.standing is None:
+            return self._other_peer_ids()
+        with replica.lock:
+            proven = replica.standing.proven(replica.clock(), PROVEN_WINDOW_S)
+        return [pid for pid in self._other_peer_ids() if pid in proven]
 
     def _tick(self) -> None:
         self.counters = collect_counters(self.intake, (self.gossip, self.relay, self.repair), self.server,

@@ -16,6 +16,9 @@ def rejection_totals(intake: Any, guard: Any) -> dict[str, int]:
     totals = Counter({k: n for k, n in counts.items() if k not in _NOT_REJECTIONS})
     if guard is not None:
         totals.update(guard.rejections.totals)
+    standing = getattr(getattr(intake, "replica", None), "standing", None)
+    if standing is not None:  # merged at weight 0 by vetting (sync/standing.py): refused in all but the slot
+        totals.update({f"vetting_{k}": n for k, n in standing.stats.items() if k != "probation" and n})
     return dict(totals)
 
 

@@ -118,7 +118,9 @@ class PeerReport(Hooks):
                  "equivocations": learner.replica.stats.get("equivocation", 0),
                  "banned": sorted(learner.replica.banned),
                  "holes": vv.n_holes, "repairs": list(self.network.repairs),
-                 "utilization": self.last.get("utilization", 0.0)}  # while training (lingering is not idling)
+                 "utilization": self.last.get("utilization", 0.0),  # while training (lingering is not idling)
+                 # vetting's verdicts (sync/standing.py) by reason: an honest run has only "probation"
+                 "vetting": {k: n for k, n in getattr(learner.replica.standing, "stats", {}).items() if n}}
         if out_dir:
             theta_path, vv_path = save_state(out_dir, theta, vv,
                                              {"peer_id": learner.peer_id, "spec_hash": self.spec.spec_hash(),

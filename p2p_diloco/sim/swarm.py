@@ -115,6 +115,7 @@ class AsyncSwarm:
                        speed=speed, store=UpdateStore(max_bytes=256 << 20),
                        exchange=MemoryExchange(self.net, learner.peer_id, self._view), joined_at=self.queue.now)
         peer.ticks = rounds(learner, peer.exchange, Schedule(), TokenBudget(self))
+        peer.intake.attach_store(peer.store)  # as the gossip does: take-backs look updates up there
         self.peers.append(peer)
         self.net.attach(learner.peer_id, lambda data, src, p=peer: self._receive(p, data))
         return peer

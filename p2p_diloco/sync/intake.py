@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from p2p_diloco.config import RunSpec
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 HEADER_ALLOWANCE_BYTES = 4096  # msgpack framing + header + signature; generous, still a hard bound
 MAX_EVIDENCE = 16
+MAX_UNTAKEN = 256
+"""Copies found before the store holds them (`take_back_copies` retries each once, at the next receive)."""
 """Proofs kept (the most recent senders'); each is two envelopes."""
 _NOT_REJECTIONS = (MergeOutcome.MERGED, MergeOutcome.BUFFERED, MergeOutcome.DUPLICATE)
 
@@ -84,6 +86,7 @@ class Intake:
         self.store: UpdateStore | None = None
         self._lock = threading.Lock()  # counts, events, evidence: the network side receives from worker threads
         self._last_log: dict[tuple[str, str], float] = {}
+        self._untaken: deque[tuple[str, int]] = deque(maxlen=MAX_UNTAKEN)  # copies found, not in the store yet
         self._log_interval_s = log_interval_s
 
     def attach_store(self, store: UpdateStore) -> None:
@@ -111,7 +114,31 @@ class Intake:
         if outcome not in _NOT_REJECTIONS:
             self._log(outcome.value, update.sender, f"seq={update.seq}")
         self.expire_gaps(now_s)
+        self.take_back_copies()
         return outcome.value, update
+
+    def take_back_copies(self) -> None:
+        """Take back the weight of merged updates vetting found to be copies only when their original came
+        (`Standing.copies_found`): the copy came first and merged on probation; every replica that holds both
+        ends with it at weight 0 whatever the order. The copy is looked up in the store (it was kept to be
+        served); one no longer held keeps its weight here (counted: `copies_not_held`)."""
+        standing = self.replica.standing
+        if standing is None:
+            return
+        with self.replica.lock:
+            found = [(sender, seq) for sender, seq, _ in standing.copies_found()]
+        with self._lock:  # a copy merged on a worker thread reaches the store a moment later: retried
+            todo, self._untaken = [*self._untaken, *found], deque(maxlen=MAX_UNTAKEN)
+        for sender, seq in todo:
+            update = self.store.get(sender, seq) if self.store is not None else None
+            done = update is not None and self.replica.unmerge(update, keep_slot=True)
+            with self._lock:
+                if done:
+                    self.events["copies_taken_back"] += 1
+                elif update is None and (sender, seq) in found:
+                    self._untaken.append((sender, seq))  # once more, at the next receive
+                else:
+                    self.events["copies_not_held"] += 1
 
     def expire_gaps(self, now_s: float | None = None) -> list[UpdateLike]:
         """Skip gaps that waited longer than the RunSpec's gap_timeout_s (`Replica.expire_gaps`); called on

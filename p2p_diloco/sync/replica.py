@@ -3,12 +3,13 @@
 
 Protocol rules (identical on every peer; changing one changes the protocol):
 
-1. Merge is `theta -= outer_lr * clamp(weight, 0, max_weight) * shape(decode(update))`: a weighted sum. The
+1. Merge is `theta -= outer_lr * clamp(weight, 0, max_weight) * m * shape(decode(update))`: a weighted sum. The
    outer Nesterov momentum lives at the sender, so a sum is all a receiver does, and **a sum commutes**:
    replicas that merged the same set of updates are equal (to fp tolerance) whatever the arrival order.
    `shape` is the RunSpec's aggregation (sync/robust.py): the identity for `sum`, a per-update clip for
    `coord_clip` (both keep the rule exact), CenteredClip for `centered_clip` (receiver-dependent, documented
-   there).
+   there). `m` is the weight the sender earned here (sync/standing.py): probation by seq (exact), 0 for an
+   update that vetting refused (receiver-dependent, documented there); such a slot still counts as merged.
 2. Each update merges once: `(sender, seq)` merges when `seq == V[sender] + 1` or when `seq` is a hole of
    `V` (a seq this replica skipped, rule 6). Later seqs wait in a buffer bounded by count (`max_buffered`) and
    bytes (`max_buffered_bytes`), and per sender by `max_sender_share` of each, so one sender cannot fill it;
@@ -52,11 +53,8 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    sender that split several slots leaves the same set everywhere: its seqs below the proven one.
 
 Threading: the network thread offers while the compute thread takes snapshots. Decoding and screening run
-outside the lock (the expensive part, sync/screening.py); the state is re-checked under the lock before the
-axpy, so two threads decoding the same update still merge it once. Each update is decoded once on its way in:
-the sender passes the tensor it encoded (`offer(decoded=...)`), and a buffered update keeps the delta it was
-screened with (sync/pending.py, within the buffer's byte bound).
-
+outside the lock (sync/screening.py); the state is re-checked under the lock before the axpy, so two threads
+decoding the same update merge it once. Each update is decoded once (`offer(decoded=...)`, sync/pending.py).
 The replica knows nothing of training: it is built from the run's spec (`Replica.from_spec`).
 """
 
@@ -73,9 +71,11 @@ from torch import Tensor
 
 from p2p_diloco.sync.accumulator import Accumulator
 from p2p_diloco.sync.bans import MAX_CONFLICTS, Bans, delivers_bans  # noqa: F401 (MAX_CONFLICTS: re-exported)
+from p2p_diloco.sync.merged import MergedIds
 from p2p_diloco.sync.pending import PendingBuffer, Waiting
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, check_theta, header_ok, prepare, shaped_step
+from p2p_diloco.sync.standing import Standing, weighted
 from p2p_diloco.sync.types import Conflict, MergeOutcome, UpdateLike  # noqa: F401 (re-exported)
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import Codec, get_codec
@@ -96,10 +96,7 @@ class Replica:
         decodes every payload (the run's: `from_spec` builds it from the spec)."""
         if not (math.isfinite(outer_lr) and outer_lr >= 0 and math.isfinite(max_weight) and max_weight >= 0):
             raise ValueError(f"outer_lr and max_weight must be finite and >= 0, got {outer_lr}, {max_weight}")
-        if max_ids_per_sender < 1:
-            raise ValueError(f"need max_ids_per_sender >= 1, got {max_ids_per_sender}")
-        self.outer_lr, self.max_weight = float(outer_lr), float(max_weight)
-        self.max_ids_per_sender = max_ids_per_sender
+        self.outer_lr, self.max_weight, self.max_ids_per_sender = float(outer_lr), float(max_weight), max_ids_per_sender
         self.policy = MergePolicy.passthrough()
         self.gap_timeout_s, self.max_hole_span = math.inf, 16
         self.clock: Callable[[], float] = time.monotonic  # dates gaps; Intake binds its own (the simulator's)
@@ -112,15 +109,19 @@ class Replica:
         self._sum = Accumulator(theta)  # theta, summed into in place
         self._vv = version_vector if version_vector is not None else VersionVector()
         self._buffer = PendingBuffer(max_buffered, max_buffered_bytes, max_sender_share)  # waiting for a gap
-        self._merged_ids: dict[str, dict[int, bytes]] = {}  # sender -> seq -> update_id, last max_ids seqs
+        self._merged = MergedIds(max_ids_per_sender)  # ids (and weight multipliers) of the last merged seqs
+        self.standing: Standing | None = None  # merge weight earned by contribution (sync/standing.py)
 
     @classmethod
-    def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None) -> Replica:
+    def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None, self_id: str = "") -> Replica:
         """The replica of `spec`'s run: merge constants, codec (pass the peer's to share it) and every rule."""
         codec = codec or get_codec(spec.outer.codec, spec.outer.codec_block)
         replica = cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec)
         replica.bind_rules(MergePolicy.from_spec(spec), gap_timeout_s=spec.defence.gap_timeout_s,
                            max_hole_span=spec.defence.max_hole_span)
+        d = spec.defence
+        replica.standing = Standing(probation=d.probation, min_agreement=d.min_agreement, copy_cosine=d.copy_cosine,
+                                    max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id)
         return replica
 
     def bind_rules(self, policy: MergePolicy, *, gap_timeout_s: float, max_hole_span: int,
@@ -146,13 +147,8 @@ class Replica:
         """The live tensor; hold `lock` while reading it if merges may run concurrently."""
         return self._sum.theta
 
-    @property
-    def n_buffered(self) -> int:
-        return self._buffer.count
-
-    @property
-    def buffered_bytes(self) -> int:
-        return self._buffer.nbytes
+    n_buffered = property(lambda self: self._buffer.count)
+    buffered_bytes = property(lambda self: self._buffer.nbytes)
 
     def snapshot(self) -> tuple[Tensor, VersionVector]:
         """A consistent copy of (theta, V): the vector names exactly the updates summed into the copy."""
@@ -229,21 +225,18 @@ class Replica:
         longer kept (gossip compares these with a peer's, to find slots where the two merged different
         versions: an equivocation no version vector shows)."""
         with self.lock:
-            known = self._merged_ids.get(sender, {})
-            ids = [known.get(seq) for seq in seqs]
-            if any(i is None for i in ids) or not all(self._vv.has(sender, seq) for seq in seqs):
-                return None
-            return ids  # type: ignore[return-value]
+            return self._merged.recent(sender, seqs, self._vv)
 
-    def unmerge(self, update: UpdateLike) -> bool:
-        """Take back a merged update (rule 7): `theta += outer_lr * w * shape(decode(update))` and V loses
+    def unmerge(self, update: UpdateLike, *, keep_slot: bool = False) -> bool:
+        """Take back a merged update (rule 7): `theta += outer_lr * w * m * shape(decode(update))` and V loses
         `(sender, seq)`. For the equivocation repair: of two signed versions of one slot, some replicas merged
         one and some the other; each takes back the one it merged, so the slot is merged nowhere and the
-        replicas meet again. Only this exact update (by update_id) is taken back; False if it is not the
-        one merged here, or if the aggregation is receiver-dependent (centered_clip: its shaping cannot be
-        redone exactly, so that divergence is left to the repair)."""
+        replicas meet again. `keep_slot`: only its weight goes (m becomes 0), the slot stays merged: for a copy
+        found after it merged (`Standing.copies_found`). Only this exact update (by update_id) is taken back;
+        False if it is not the one merged here, or if the aggregation is receiver-dependent (centered_clip:
+        its shaping cannot be redone exactly, so that divergence is left to the repair)."""
         with self.lock:
-            merged = self._merged_ids.get(update.sender, {}).get(update.seq)
+            merged = self._merged.get(update.sender, update.seq)
             if merged is None or merged != update.update_id or not self._vv.has(update.sender, update.seq):
                 return False
             if not self.policy.deterministic:
@@ -253,12 +246,18 @@ class Replica:
             prepared = self._prepare(update, None)  # it passed every check when it merged, identically now
             if prepared.scaled is None:
                 return False
-            vv = self._vv.without(update.sender, update.seq)  # may raise (hole bound): before theta changes
-            self._sum.add(prepared.scaled)
+            vv = self._vv if keep_slot else self._vv.without(update.sender, update.seq)  # may raise: before theta
+            multiplier = self._merged.multiplier(update.sender, update.seq)  # the weight it earned when merged
+            if multiplier > 0:
+                self._sum.add(weighted(prepared.scaled, multiplier))
             self._vv = vv
-            del self._merged_ids[update.sender][update.seq]
+            if keep_slot:
+                self._merged.record(update.sender, update.seq, update.update_id, 0.0)
+            else:
+                self._merged.forget(update.sender, update.seq)
             self.stats["unmerged"] = self.stats.get("unmerged", 0) + 1
-        logger.warning("merged update taken back sender=%s seq=%d", update.sender, update.seq)
+        logger.log(logging.INFO if keep_slot else logging.WARNING, "merged update taken back sender=%s seq=%d%s",
+                   update.sender, update.seq, " (weight only: a copy)" if keep_slot else "")
         return True
 
     @delivers_bans
@@ -275,7 +274,7 @@ class Replica:
             # The new theta was summed elsewhere (a donor, a peer we adopt, a checkpoint): which version of a
             # slot it holds is not ours to know, so no id is kept (rule 3: such seqs read as DUPLICATE, and
             # neither gossip's id digests nor `unmerge` may trust an id we merged before).
-            self._merged_ids.clear()
+            self._merged.clear()
         merged: list[UpdateLike] = []
         for waiting in ready:
             merged.extend(self._merge_chain(waiting, now_s=self.clock())[1])
@@ -343,7 +342,7 @@ class Replica:
         if sender in self.banned:
             return MergeOutcome.REJECTED_BANNED
         if self._vv.has(sender, seq):
-            known = self._merged_ids.get(sender, {}).get(seq)
+            known = self._merged.get(sender, seq)
             if known is None or known == update_id:
                 return MergeOutcome.DUPLICATE
             return self._equivocation(sender, seq, known, None, update)
@@ -368,18 +367,21 @@ class Replica:
             reason = prepared.rejection or MergeOutcome.REJECTED_INVALID
             self._ban(update.sender, f"{reason.value} seq={update.seq}")
             return reason
-        if not self._sum.subtract(prepared.scaled, prepared.bound):
+        standing = self.standing
+        verdict = standing.judge(update.sender, update.seq, prepared.delta, self.clock()) if standing else None
+        multiplier = verdict.multiplier if verdict is not None else 1.0
+        if multiplier > 0 and not self._sum.subtract(weighted(prepared.scaled, multiplier), prepared.bound):
             self._ban(update.sender, f"overflow seq={update.seq}")
             return MergeOutcome.REJECTED_NONFINITE
         if update.seq in self._vv.holes(update.sender):
             self.stats["late_merged"] += 1
             logger.info("late merge of a skipped update sender=%s seq=%d", update.sender, update.seq)
         self._vv = self._vv.with_merged(update.sender, update.seq)
-        self.policy.observe(prepared.delta)  # type: ignore[arg-type]
-        ids = self._merged_ids.setdefault(update.sender, {})
-        ids[update.seq] = update.update_id
-        while len(ids) > self.max_ids_per_sender:  # keep the newest max_ids_per_sender seqs
-            del ids[min(ids)]
+        if verdict is not None:
+            standing.observe(update.sender, prepared.delta, verdict, self.clock(), seq=update.seq)  # type: ignore
+        if multiplier > 0:
+            self.policy.observe(prepared.delta)  # type: ignore[arg-type]
+        self._merged.record(update.sender, update.seq, update.update_id, multiplier)
         return MergeOutcome.MERGED
 
     def _equivocation(self, sender: str, seq: int, known_id: bytes, known: UpdateLike | None,

@@ -136,7 +136,7 @@ class Learner:
         self._params_changed = self._optimizer_changed = False  # to send to the unit's other processes
         self.numel = theta.numel()
         self.codec = get_codec(spec.outer.codec, spec.outer.codec_block)  # the peer's one codec: shared below
-        self.replica = Replica.from_spec(spec, theta, codec=self.codec)
+        self.replica = Replica.from_spec(spec, theta, codec=self.codec, self_id=self.peer_id)
         if replica_state is not None:
             self.replica.load(*replica_state)
         self.spec_hash = spec.spec_hash()

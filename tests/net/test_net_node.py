@@ -504,6 +504,9 @@ class _RefusingGuard:
     def on_reject(self, caller: str, counter: str) -> None:
         self.rejects.append(counter)
 
+    def is_contributor(self, caller: str) -> bool:
+        return True
+
 
 def test_rpc_guard_refuses_before_reading_and_hears_every_refusal(loop, swarm: Swarm) -> None:
     a, b, c = swarm.nodes

@@ -83,13 +83,23 @@ def skip_gap(u: Unit) -> None:
 
 
 @contextlib.contextmanager
-def serving(loop: LoopThread, units: list[Unit], grace_s: float = 0.0) -> Iterator[list[Unit]]:
+def serving(loop: LoopThread, units: list[Unit], grace_s: float = 0.0,
+            proven_only: bool = False) -> Iterator[list[Unit]]:
+    """`proven_only`: each unit's voters are what the real peer counts (PeerNetwork.proven_peer_ids): members
+    whose own updates merged here in good standing; else every other unit votes."""
     everyone = [u.peer_id for u in units]
     try:
         for u in units:
             others = [pid for pid in everyone if pid != u.peer_id]
+
+            def members(o: list[str] = others, u: Unit = u) -> list[str]:
+                if not proven_only:
+                    return o
+                proven = u.replica.standing.proven(u.replica.clock(), 600.0)
+                return [pid for pid in o if pid in proven]
+
             u.repair = Repair(u.member.node, SPEC.run_id, SPEC.spec_hash(), u.replica, u.store, SYNC,
-                              known=lambda u=u: u.gossip.known_vectors(), members=lambda o=others: o, guard=u.guard,
+                              known=lambda u=u: u.gossip.known_vectors(), members=members, guard=u.guard,
                               grace_s=grace_s, cooldown_s=0.0)
             u.gossip = Gossip(u.member.node, SPEC.run_id, u.intake, u.store, GOSSIP, peers=lambda o=others: o,
                               guard=u.guard, on_vector=u.repair.observe)
@@ -145,6 +155,24 @@ def test_a_replica_that_merged_what_nobody_can_serve_adopts_a_skipping_peers_sta
             torch.testing.assert_close(u.replica.theta, a.replica.theta, rtol=0, atol=1e-6)
         assert a.repair.stats["repairs_refused"] == 0  # (outvoted first, maybe: until it knew both vectors)
         assert b.repair.stats["repair_attempts"] == c.repair.stats["repair_attempts"] == 0  # the skippers never yield
+
+
+def test_a_restarted_peer_never_adopts_a_state_offered_only_by_identities_without_contribution(loop, members):
+    """Issue 16: B and C claim the skip (their vectors have the hole) and serve snapshots, but no update of
+    theirs ever merged at A: in an open run they are what a crowd of fresh identities would be. Their claims
+    start nothing, whatever their number; the same trap with B and C counted as members is repaired (the first
+    test of this module)."""
+    (a, b, c), s_updates, _ = the_trap(members, c_merged=False)
+    before, vv_before = a.replica.theta.clone(), a.vv
+    with serving(loop, [a, b, c], proven_only=True):
+        for u in (b, c):
+            loop.run(u.gossip.request_pull(a.peer_id))
+        wait_until(lambda: a.repair.stats["repairs_unproven"] >= 2, 15, "A to hear both claims")
+        loop.run(b.gossip.request_pull(a.peer_id))  # and again: a repeated claim changes nothing either
+        wait_until(lambda: a.repair.stats["repairs_unproven"] >= 3, 15, "A to hear the claim again")
+        assert a.repair.stats["repair_attempts"] == 0 and a.repair.stats["repairs"] == 0
+        assert a.vv == vv_before and a.vv.has(s_updates[1].sender, s_updates[1].seq)
+        torch.testing.assert_close(a.replica.theta, before, rtol=0, atol=0)
 
 
 def test_a_lone_claim_of_a_skip_does_not_make_two_mergers_adopt(loop, members) -> None:

@@ -242,6 +242,7 @@ def test_replicas_agree_and_nothing_merged_twice(story: Story) -> None:
         assert proc.returncode == 0, proc.tail()
         assert "swarm quiet" in proc.output(), proc.tail()
         assert proc.events("final")[-1]["rejected"] == 0
+        assert set(proc.events("final")[-1]["vetting"]) <= {"probation"}, proc.name  # no honest work refused
         assert_merged_once(proc)
     assert_replicas_agree(survivors, published_counts(survivors))
 

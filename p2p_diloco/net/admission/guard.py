@@ -3,10 +3,17 @@ we make, and the `Rejections` it counts (what `status` shows, by reason and by r
 
 Serving (the hooks `rpc.serve` calls, in this order, before reading a request):
     access (allow list, run-secret membership) -> penalty -> open streams -> request rate -> bytes in/out
-A refusal goes back to the caller as the RPC's error ("not allowed in this run: ...", "rate limited: ...").
+    -> for pulls and snapshots, the uplink's share (net/admission/uplink.py)
+A refusal goes back to the caller as the RPC's error ("not allowed in this run: ...", "rate limited: ...",
+"busy: ..."). Every byte sent is charged to the remote's bytes-out bucket and to the uplink's.
 
 Calling: `may_pull_from` (not penalized, bytes-in bucket not in debt), `charge_in` for what we read, and
 `penalize` when a remote sent us an invalid update.
+
+Open runs (issue 16): the guard owns the contribution `ledger` (net/admission/ledger.py), which gossip and state
+sync feed, and the `uplink` it shares. Remotes' buckets and penalties are kept in two LRU tables of
+`max_tracked_peers` each, one for contributors and one for the others, so a crowd of fresh identities only
+churns its own (a newcomer's penalty is worth little anyway: a fresh identity costs nothing).
 
 Admission (`hello`): a joiner asks a few live peers whether it may take part; if every peer that answers
 refuses it, `join` stops with their reason (`AccessDenied`). One hostile peer that refuses everyone cannot
@@ -26,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2p_diloco.net.admission.ledger import Ledger
 from p2p_diloco.net.admission.policy import (
     MEMBER_PROOF_FIELD,
     MembershipKey,
@@ -33,6 +41,7 @@ from p2p_diloco.net.admission.policy import (
     TokenBucket,
     request_kind,
 )
+from p2p_diloco.net.admission.uplink import Uplink
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import NodeError
 
@@ -52,6 +61,8 @@ HELLO_OK = b"welcome"
 # Counters of the RPC layer, renamed as rejection reasons.
 _RPC_REASONS = {"rejected_oversize": "oversize_request", "rejected_malformed": "malformed_request",
                 "timeouts": "timeout", "rejected_busy": "busy"}
+_UPLINK_KINDS = ("pull", "snapshot")
+"""Requests whose responses are bulk and go through the uplink's shares."""
 
 
 class AccessDenied(NodeError):
@@ -113,8 +124,11 @@ class PeerGuard:
         self.allowed = frozenset(allowed)
         self.key = key
         self.rejections = Rejections()
+        self.ledger = Ledger()
+        self.uplink = Uplink(self.limits, self.ledger)
         self._refresh_members = refresh_members
-        self._remotes: OrderedDict[str, _Remote] = OrderedDict()
+        self._remotes: OrderedDict[str, _Remote] = OrderedDict()  # remotes that never gave us anything
+        self._trusted: OrderedDict[str, _Remote] = OrderedDict()  # contributors (ledger.is_contributor)
         self._verdicts: OrderedDict[str, str] = OrderedDict()  # peer -> "" (member) or why not, from its record
         self._refreshed_at = -1e18
         self._refresh_lock: asyncio.Lock | None = None
@@ -191,6 +205,7 @@ class PeerGuard:
         if why:
             return self._refuse(caller, "not_allowed", REFUSED_PREFIX + why)
         now = time.monotonic()
+        self.ledger.seen(caller, now)
         remote = self._remote(caller, now)
         if remote.penalized_until > now:
             return self._refuse(caller, "penalized", f"refused for {remote.penalized_until - now:.0f}s more: you "
@@ -205,17 +220,34 @@ class PeerGuard:
         bytes_in, bytes_out = self._bucket(remote, "bytes_in", now), self._bucket(remote, "bytes_out", now)
         if not (bytes_in.ready(now) and bytes_out.ready(now)):
             return self._refuse(caller, "rate_limited", "rate limited: over the bytes/s allowed per peer")
+        if kind in _UPLINK_KINDS:
+            why = self.uplink_refusal(caller, now)
+            if why:
+                return why
         bytes_in.charge(request_bytes, now)
         remote.streams += 1
         return None
 
+    def is_contributor(self, caller: str) -> bool:
+        """The ledger's word (net/admission/ledger.py): `caller` gave us verified data (the RPC layer keeps half
+        of each handler's slots for such callers)."""
+        return self.ledger.is_contributor(caller)
+
     def release(self, caller: str) -> None:
-        remote = self._remotes.get(caller)
+        remote = self._find(caller)
         if remote is not None and remote.streams > 0:
             remote.streams -= 1
 
     def charge_out(self, caller: str, nbytes: int) -> None:
-        self._bucket(self._remote(caller), "bytes_out").charge(nbytes)
+        now = time.monotonic()
+        self._bucket(self._remote(caller, now), "bytes_out", now).charge(nbytes, now)
+        self.uplink.charge(caller, nbytes, now)
+
+    def uplink_refusal(self, caller: str, now: float | None = None) -> str | None:
+        """Why `caller` may not be served bulk data now (the uplink's share it draws from is spent; counted),
+        or None. Asked before a pull or snapshot request, and by the pull handler before each update."""
+        refused = self.uplink.refusal(caller, now)
+        return self._refuse(caller, *refused) if refused else None
 
     def on_reject(self, caller: str, counter: str) -> None:
         """The RPC layer refused or cut a stream on its own (oversize, malformed, timeout, slow, busy)."""
@@ -249,7 +281,7 @@ class PeerGuard:
             logger.info("peer penalized peer=%s reason=%s for_s=%g", peer, reason, self.limits.penalty_s)
 
     def is_penalized(self, peer: str) -> bool:
-        remote = self._remotes.get(peer)
+        remote = self._find(peer)
         return remote is not None and remote.penalized_until > time.monotonic()
 
     def count(self, peer: str, reason: str, n: int = 1, *, in_totals: bool = True) -> None:
@@ -258,11 +290,17 @@ class PeerGuard:
     # ---- state ------------------------------------------------------------------------------------------
 
     def _remote(self, peer: str, now: float | None = None) -> _Remote:
-        remote = self._remotes.pop(peer, None) or _Remote()
-        self._remotes[peer] = remote  # most recently seen last
-        while len(self._remotes) > self.limits.max_tracked_peers:
-            self._remotes.popitem(last=False)
+        """`peer`'s state, in the table of its class now (contributor or not), most recently seen last."""
+        table, other = (self._trusted, self._remotes) if self.ledger.is_contributor(peer) else \
+            (self._remotes, self._trusted)
+        remote = table.pop(peer, None) or other.pop(peer, None) or _Remote()
+        table[peer] = remote
+        while len(table) > self.limits.max_tracked_peers:
+            table.popitem(last=False)
         return remote
+
+    def _find(self, peer: str) -> _Remote | None:
+        return self._trusted.get(peer) or self._remotes.get(peer)
 
     def _bucket(self, remote: _Remote, kind: str, now: float | None = None) -> TokenBucket:
         bucket = remote.buckets.get(kind)

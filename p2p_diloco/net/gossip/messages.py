@@ -29,6 +29,9 @@ PULL_FAILURES = ((rpc.RpcSlowError, "slow_stream"), (rpc.RpcTimeoutError, "timeo
                  (rpc.RpcTooLargeError, "oversize"), (rpc.RpcRemoteError, "refused"),
                  (rpc.RpcConnectionError, "disconnect"))
 """How a failed pull is counted, by the kind of RpcError."""
+LEDGER_FAILURES = {"slow_stream": "timeout", "timeout": "timeout", "oversize": "invalid", "refused": "refused",
+                   "disconnect": "error"}
+"""The contribution ledger's failure kind (net/admission/ledger.py) of each counted pull failure (others: error)."""
 
 
 class InvalidPull(Exception):

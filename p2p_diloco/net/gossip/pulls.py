@@ -1,10 +1,18 @@
 """The pulling half of gossip (the protocol: net/gossip/service.py): which remotes to pull from, one pull at a
 time per remote, and every update a pull brings through the intake.
 
-`Puller` keeps the wishes (`want`), runs at most `max_concurrent_pulls` pulls, asks each remote only beyond
-what the pulls started before it will bring (`claims`), remembers remotes whose last pull brought nothing
-(`dry`), and ends a pull at the first update no honest peer sends. `Gossip` owns it and starts it; both share
-one `stats` dict and one `FailureLog`.
+`Puller` keeps the wishes and backoffs in `PullSlots` (net/gossip/slots.py: who gets a slot, by track record),
+runs at most `max_concurrent_pulls` pulls, asks each remote only beyond what the pulls started before it will
+bring (`claims`), remembers remotes whose last pull brought nothing (`dry`), and ends a pull at the first
+update no honest peer sends. `Gossip` owns it and starts it; both share one `stats` dict and one `FailureLog`.
+
+Track record (issue 16), in the guard's ledger (net/admission/ledger.py; a Puller without a guard keeps its
+own): a pull that brought updates records `gave` against its remote for each one kept (merged or buffered)
+that vetting did not refuse (`_earned`); a failure records its kind (timeout, for a slow stream too;
+refused; error, for a broken stream; invalid, with the penalty; empty, for a pull that brought nothing of what
+the remote claimed: a forced pull, anti-entropy's, claims nothing). Every failure but invalid data (which the
+guard's penalty covers) and every empty pull makes the remote back off. A pull from a remote that never gave
+us anything (probation) must bring each part of its answer within `probation_timeout_s`.
 """
 
 from __future__ import annotations
@@ -18,8 +26,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
+from p2p_diloco.config.admission import RateLimitConfig
+from p2p_diloco.net.admission.ledger import Ledger
 from p2p_diloco.net.gossip.digests import request_digests
-from p2p_diloco.net.gossip.messages import HOSTILE_OUTCOMES, PULL_FAILURES, GossipConfig, InvalidPull, encode_request
+from p2p_diloco.net.gossip.messages import (
+    HOSTILE_OUTCOMES,
+    LEDGER_FAILURES,
+    PULL_FAILURES,
+    GossipConfig,
+    InvalidPull,
+    encode_request,
+)
+from p2p_diloco.net.gossip.slots import MAX_WANTED_PEERS, PullSlots
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import MergeOutcome
@@ -31,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 MAX_PULL_ROUNDS = 64
 """Pulls from one remote in a row, at most (each of up to pull_max_updates updates)."""
-MAX_WANTED_PEERS = 1024
-"""Remotes waiting for a pull slot, at most; the oldest wish is dropped (anti-entropy repairs it)."""
 # Outcomes after which we hold the update (merged, or waiting for its gap), so we keep it to serve others.
 _KEPT = (MergeOutcome.MERGED.value, MergeOutcome.BUFFERED.value)
 
@@ -78,47 +94,65 @@ class Puller:
         self.node, self.pull_name, self.intake, self.store, self.config = node, pull_name, intake, store, config
         self.guard, self.stats, self.failures, self.rng = guard, stats, failures, rng
         self.on_evidence, self.on_brought = on_evidence, on_brought
+        self.limits = guard.limits if guard is not None else RateLimitConfig()
+        self.ledger: Ledger = guard.ledger if guard is not None else Ledger()
+        self.slots = PullSlots(config.max_concurrent_pulls, self.limits.probation_pulls)
         self.running = False
         self.tasks: dict[str, asyncio.Task] = {}  # remote -> its pull task
+        self._wake: asyncio.TimerHandle | None = None  # start_pulls when the first backoff of a wish ends
         # remote -> the vector its running pull is expected to bring us up to. Concurrent pulls from other
         # peers ask only for what lies beyond these claims, so one update is not fetched twice at once (the scale
         # simulator measured 36-50% duplicate pulls, 1.6-2x the bytes, without this).
         self._claims: dict[str, VersionVector] = {}
-        # remote -> (what it announced it holds, pull even if that looks like nothing new); oldest first
-        self._wanted: OrderedDict[str, tuple[VersionVector, bool]] = OrderedDict()
         # remote -> its vector when a pull from it brought nothing we could use (e.g. it merged one of our holes
         # and cannot serve it): not asked again until its vector changes, or by anti-entropy
         self._dry: OrderedDict[str, VersionVector] = OrderedDict()
 
     def clear(self) -> None:
-        self._wanted.clear()
+        self.slots.clear()
         self._dry.clear()
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
 
     def is_dry(self, peer: str, remote: VersionVector) -> bool:
         return self._dry.get(peer) == remote
 
     def pending_peers(self) -> list[str]:
         """Remotes with a pull running or wanted (copies: a poll from another thread is safe enough)."""
-        return [*list(self.tasks), *list(self._wanted)]
+        return [*list(self.tasks), *list(self.slots.wanted)]
 
     def want(self, peer: str, remote: VersionVector, *, force: bool) -> None:
-        pending = self._wanted.pop(peer, None)
-        if pending is not None:
-            remote, force = pending[0].merge(remote), force or pending[1]
-        self._wanted[peer] = (remote, force)
-        while len(self._wanted) > MAX_WANTED_PEERS:
-            self._wanted.popitem(last=False)
-            self.stats["pulls_dropped"] += 1
-        self.start_pulls()
+        """`peer` holds `remote` (a hint: see net/gossip/slots.py for when it gets a slot)."""
+        self.stats["pulls_dropped"] += self.slots.want(peer, remote, force, self.ledger.is_contributor)
+        now = time.monotonic()
+        until = self.slots.backoff_until(peer, now)
+        if until is not None:
+            self._wake_at(until, now)
+        elif self.slots.may_start(peer, self.tasks, now, self.ledger.is_contributor):
+            self.start_pulls()
 
     def start_pulls(self) -> None:
         if not self.running:
             return
-        for peer in list(self._wanted):
-            if len(self.tasks) >= self.config.max_concurrent_pulls:
-                return
-            if peer not in self.tasks:
-                self.tasks[peer] = asyncio.create_task(self._pull_from(peer), name=f"pull:{peer[-8:]}")
+        now = time.monotonic()
+        picked, wake = self.slots.pick(self.tasks, now, self.ledger.is_contributor, self.ledger.score)
+        for peer in picked:
+            self.tasks[peer] = asyncio.create_task(self._pull_from(peer), name=f"pull:{peer[-8:]}")
+        if wake is not None:
+            self._wake_at(wake, now)
+
+    def _wake_at(self, at: float, now: float) -> None:
+        """Run start_pulls at monotonic time `at` (or earlier, if already due to)."""
+        if self._wake is not None and self._wake.when() <= asyncio.get_running_loop().time() + (at - now) + 0.01:
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake = asyncio.get_running_loop().call_later(max(0.0, at - now) + 0.01, self._woken)
+
+    def _woken(self) -> None:
+        self._wake = None
+        self.start_pulls()
 
     def _lacks(self, ours: VersionVector, remote: VersionVector) -> bool:
         return lacks(ours, remote, self.intake.replica.banned)
@@ -127,11 +161,13 @@ class Puller:
         """Pull from `peer` while it has something for us (pending wishes folded in), then re-announce."""
         brought = 0
         try:
-            while self.running and peer in self._wanted:
-                remote, force = self._wanted.pop(peer)
+            while self.running and peer in self.slots.wanted \
+                    and self.slots.backoff_until(peer, time.monotonic()) is None:
+                remote, force = self.slots.wanted.pop(peer)
                 self._claims[peer] = remote
                 for _ in range(MAX_PULL_ROUNDS):
-                    if not (force or self._lacks(self._wanted_vector(peer), remote)) or not self._may_pull(peer):
+                    claimed = self._lacks(self._wanted_vector(peer), remote)
+                    if not (force or claimed) or not self._may_pull(peer):
                         break
                     received, new = await self._pull_once(peer)
                     brought += new
@@ -140,12 +176,15 @@ class Puller:
                         self._dry[peer] = remote
                         while len(self._dry) > MAX_WANTED_PEERS:
                             self._dry.popitem(last=False)
+                        if claimed:  # it said it held what we lack, and brought none of it
+                            self._record_failure(peer, "empty")
                         break
+                    self.slots.succeeded(peer)
                     force = received >= self.config.pull_max_updates  # a full batch: more may remain
         except asyncio.CancelledError:
             raise
         except Exception as e:  # RpcError, or anything else a remote could provoke: count it, never crash
-            self._wanted.pop(peer, None)
+            self.slots.pop(peer)
             self.stats["pull_failures"] += 1
             self._pull_failed(peer, e)
         finally:
@@ -158,6 +197,9 @@ class Puller:
     async def _pull_once(self, peer: str) -> tuple[int, int]:
         """One pull request; returns (updates received, updates new to us)."""
         limit = self.config.pull_max_updates
+        timeout_s = self.config.rpc_timeout_s
+        if not self.ledger.is_contributor(peer):  # probation: a staller holds its slot briefly
+            timeout_s = min(timeout_s, self.limits.probation_timeout_s)
         wanted = self._wanted_vector(peer)
         replica = self.intake.replica
         request = encode_request(wanted, limit, ids=request_digests(wanted, replica.version_vector,
@@ -166,7 +208,7 @@ class Puller:
         self.stats["bytes_sent"] += len(request)
         max_bytes = self.intake.max_bytes
         stream = rpc.call_stream(self.node.p2p, peer, self.pull_name, request, max_chunk_bytes=max_bytes,
-                                 max_total_bytes=limit * max_bytes, timeout_s=self.config.rpc_timeout_s,
+                                 max_total_bytes=limit * max_bytes, timeout_s=timeout_s,
                                  min_bytes_per_s=min_bytes_per_s(self.guard))
         received = new = 0
         async with contextlib.aclosing(stream):
@@ -183,10 +225,18 @@ class Puller:
                 if update is not None and outcome in _KEPT:
                     self.store.add(update)
                     new += 1
+                    if self._earned(update.sender):
+                        self.ledger.gave(peer, 1, len(data))
                 else:
                     self._rejected(peer, outcome, update)
         self.stats["updates_new"] += new
         return received, new
+
+    def _earned(self, sender: str) -> bool:
+        """A kept update counts as a gift unless vetting refused it (sync/standing.py): a signed update under a
+        fresh key is free to make, and one the merge gave no weight must not buy its relay pull slots."""
+        standing = self.intake.replica.standing
+        return standing is None or (sender not in standing.distrusted and sender not in standing.strikes)
 
     def _rejected(self, peer: str, outcome: str, update: OuterUpdate | None) -> None:
         """Count an update we did not keep against the remote that sent it; stop listening to a hostile one."""
@@ -225,12 +275,20 @@ class Puller:
                 self.failures.count(peer, reason)
             if self.guard is not None:
                 self.guard.penalize(peer, reason)
+            self._record_failure(peer, "invalid")
         else:
             reason = next((r for kind, r in PULL_FAILURES if isinstance(error, kind)), "pull_error")
             self.failures.count(peer, reason)
             if reason == "oversize" and self.guard is not None:  # honest peers never exceed the spec's bound
                 self.guard.penalize(peer, reason)
+            self._record_failure(peer, LEDGER_FAILURES.get(reason, "error"))
         self.failures.log(peer, "pull", error)
+
+    def _record_failure(self, peer: str, kind: str) -> None:
+        """Into the ledger; and back off, unless the data was invalid (the guard's penalty covers that)."""
+        self.ledger.failed(peer, kind)
+        if kind != "invalid":  # a contributor that was busy (a crowd may keep it so) is asked again soon
+            self.slots.failed(peer, time.monotonic(), grow=not (kind == "refused" and self.ledger.is_contributor(peer)))
 
 
 def min_bytes_per_s(guard: Any) -> float:

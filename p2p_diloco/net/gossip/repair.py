@@ -16,7 +16,10 @@ member's vector to `observe`, which picks the holes that name updates we merged 
 2. Quorum: at least as many of the member peers skipped it as merged it, counting our own merge and the
    members whose vectors we do not know as mergers (`skipped_by_quorum`). A lone peer that claims a hole
    cannot make a swarm whose other members merged the update adopt its state, and two sides that see
-   different votes never both yield.
+   different votes never both yield. Members are *proven* (issue 16): peers whose own updates merged here
+   recently in good standing (sync/standing.py `Standing.proven`), never a bare DHT record, which any fresh
+   identity can write; a claim from anyone else starts nothing. So a crowd can neither outvote the swarm
+   nor widen `max_differ` (below), and every donor has contributed.
 3. Fetch a verified snapshot (net/statesync/client.py: signed manifest, digests, finiteness) from the claiming peer,
    or another that skipped it; its vector must still skip one of the items (else it filled the hole since,
    and pulls do the rest).
@@ -71,7 +74,7 @@ MAX_COOLDOWN_S = 300.0
 _RELATIVE_SLACK = 1e-3  # float32 sums in another order differ by rounding, far below one step
 _ABSOLUTE_SLACK = 1e-5
 _STATS = ("repairs", "repair_attempts", "repair_failures", "repairs_refused", "repairs_deferred",
-          "repairs_outvoted", "repairs_moot")
+          "repairs_outvoted", "repairs_moot", "repairs_unproven")
 
 
 class Repair:
@@ -82,8 +85,9 @@ class Repair:
                  members: Callable[[], Sequence[str]], guard: Any = None, grace_s: float = 15.0,
                  cooldown_s: float = 10.0, on_repaired: Callable[[dict], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`known()`: the last vector each remote sent us (Gossip.known_vectors); `members()`: the live member
-        ids (votes of others are not counted); `on_repaired(summary)` runs on the loop after each adoption."""
+        """`known()`: the last vector each remote sent us (Gossip.known_vectors); `members()`: the ids whose votes
+        count: live members with proven contribution (PeerNetwork.proven_peer_ids); `on_repaired(summary)` runs
+        on the loop after each adoption."""
         self.node, self.run_id, self.spec_hash = node, run_id, spec_hash
         self.replica, self.store, self.sync_config, self.guard = replica, store, sync_config, guard
         self.known, self.members = known, members
@@ -119,6 +123,9 @@ class Repair:
         """`peer`'s vector `remote` skipped `items`, which we merged and cannot serve; or, with
         `skipped_here`, it merged `items`, which we skipped. On the loop; returns at once (the repair, if due,
         runs in a task)."""
+        if peer not in set(self.members()):  # a bare DHT record votes nothing (members() are proven, see __init__)
+            self.stats["repairs_unproven"] += 1
+            return
         now = self.clock()
         items = items[:MAX_ITEMS]
         for item in items:

@@ -36,7 +36,11 @@ Rules:
     than the source: each hop re-announces, which is what makes it gossip. Announces skip peers whose last
     vector (from their announce or pull request; vectors only grow) already holds all of ours.
   - At most one pull in flight per remote and `max_concurrent_pulls` in all; announces that arrive meanwhile
-    are folded into the remote's pending pull (their vectors merged), at most MAX_WANTED_PEERS of them.
+    are folded into the remote's pending pull (their vectors merged), at most MAX_WANTED_PEERS of them. An
+    announce is a hint, not a claim on a slot: slots go by track record (net/gossip/slots.py): contributors
+    first, by score; remotes that never gave us anything share `probation_pulls` slots and must answer within
+    `probation_timeout_s`; a remote whose pull failed or brought nothing of what it claimed backs off (1 s
+    doubling to 60 s, reset by a pull that brought something new).
   - Anti-entropy: every `anti_entropy_s` (jittered +-50%), pull from one random peer whatever it holds, and
     let the intake skip gaps that waited out `gap_timeout_s` (a quiet swarm brings nothing that would).
   - Repair (ARCHITECTURE.md "The network"): every member's vector goes to `on_vector` (`Repair.observe`): one whose
@@ -54,6 +58,12 @@ signature, garbage, wrong run or shape, non-finite, over the norm bound...) ends
 penalizes the remote (`HOSTILE_OUTCOMES`). Updates of banned senders are never served. An equivocation found
 in a pull is handed, with the intake's proof (both signed envelopes), to `on_evidence` (net/gossip/evidence_relay.py
 spreads it).
+
+Open runs (issue 16): what remotes gave us and cost us is recorded in the guard's ledger
+(net/admission/ledger.py) by the puller, and here for what we serve (`served_update`: an update we sent the
+same remote before costs it more). A pull request is admitted only within the uplink's share its caller draws
+from (net/admission/uplink.py: contributors by score, all others together one share), and the response asks
+again before each update after the first: when the share is spent it ends early, a short batch (counted).
 
 Threading: everything here runs on one asyncio loop, which adds to and serves from the `UpdateStore`. Only
 `Intake.receive` runs in worker threads (the replica and the store have their own locks: the intake looks up
@@ -92,12 +102,15 @@ __all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # conf
 logger = logging.getLogger(__name__)
 
 MAX_ANNOUNCE_TASKS = 64
+NEWCOMER_PICK_EVERY = 4
+"""With contributors enough to fill an announce or anti-entropy pick, one pick in this many includes a peer we
+have no record of (a new honest peer is reached; a crowd of records gets a quarter of one pick)."""
 """Announces in flight, at most; more are dropped and counted."""
 MAX_CONCURRENT_ANNOUNCES_SERVED = 64
 """Incoming announces handled at once (each is tiny; more are refused as busy)."""
 _STATS = ("published", "bytes_sent", "bytes_received", "announces_sent", "announces_received", "announce_failures",
           "announces_dropped", "pulls", "pull_failures", "pulls_served", "pulls_dropped", "updates_received",
-          "updates_new", "bad_requests", "pulls_skipped", "evidence_found", "id_mismatches")
+          "updates_new", "bad_requests", "pulls_skipped", "evidence_found", "id_mismatches", "serves_cut")
 
 
 class Gossip:
@@ -221,7 +234,7 @@ class Gossip:
         banned = self.intake.replica.banned  # never spread what we refuse ourselves
         others = self._other_versions(parsed.ids, remote, limit)
         missing = self.store.missing_for(remote, limit - len(others))
-        return self._encoded([u for u in [*others, *missing] if u.sender not in banned])
+        return self._encoded([u for u in [*others, *missing] if u.sender not in banned], caller)
 
     def _other_versions(self, digests: dict[str, str], remote: VersionVector, limit: int) -> list[OuterUpdate]:
         """The updates we hold for the slots where the requester merged other versions than we did (its
@@ -246,10 +259,15 @@ class Gossip:
             self._failures.count(caller, "bad_request")
             raise
 
-    async def _encoded(self, updates: list) -> AsyncIterator[bytes]:
-        for update in updates:
+    async def _encoded(self, updates: list, caller: str) -> AsyncIterator[bytes]:
+        for i, update in enumerate(updates):
+            if i and self.guard is not None and self.guard.uplink_refusal(caller):
+                self.stats["serves_cut"] += 1  # the caller's uplink share is spent: a short batch
+                return
             data = encode_update(update)
             self.stats["bytes_sent"] += len(data)
+            if self.guard is not None:
+                self.guard.ledger.served_update(caller, update.sender, update.seq, len(data))
             yield data
 
     # ---- what remotes hold -------------------------------------------------------------------------------
@@ -339,4 +357,15 @@ class Gossip:
         skip = {self.node.peer_id, *exclude}
         candidates = [p for p in peers if isinstance(p, str) and p not in skip
                       and (self.guard is None or not self.guard.is_penalized(p))]
-        return self._rng.sample(candidates, min(k, len(candidates)))
+        if self.guard is None:
+            return self._rng.sample(candidates, min(k, len(candidates)))
+        # Peers we trade with first (issue 16): records cost nothing, and a crowd of them in the view would
+        # otherwise take almost every announce and anti-entropy pull. One pick in NEWCOMER_PICK_EVERY still goes
+        # to anyone, so a new honest peer is reached too.
+        contributors = [p for p in candidates if self.guard.is_contributor(p)]
+        others = [p for p in candidates if not self.guard.is_contributor(p)]
+        picked = self._rng.sample(contributors, min(k, len(contributors)))
+        if others and (len(picked) < k or self._rng.random() < 1 / NEWCOMER_PICK_EVERY):
+            extra = self._rng.sample(others, min(max(1, k - len(picked)), len(others)))
+            picked = (picked + extra)[-k:] if len(picked) >= k else picked + extra
+        return picked[:k]

@@ -21,7 +21,8 @@ numel, the vector's syntax; then every chunk against its digest and every value 
 drops that donor (the reason is logged, and counted against the donor by the guard: `bad_manifest`,
 `bad_chunk`, `nonfinite_chunk`, or how the call failed), and the joiner starts over with the next one. A
 donor that served something unverifiable is also penalized: it is not asked again for a while, so a hostile
-donor that claims the freshest replica costs each joiner one attempt. After loading the snapshot, the joiner
+donor that claims the freshest replica costs each joiner one attempt. A donor whose snapshot verified is
+credited in the guard's ledger (a contributor: its pulls and requests go first). After loading the snapshot, the joiner
 pulls the updates newer than its V by gossip.
 """
 
@@ -45,6 +46,7 @@ import torch
 from p2p_diloco.config.network import MAX_CHUNK_BYTES, StateSyncConfig
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
+from p2p_diloco.sync.standing import MAX_INHERITED
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import verify_blob
 
@@ -56,6 +58,7 @@ _DIGEST_BYTES = 32
 _SIGNATURE_BYTES = 64
 _MANIFEST_KEYS = {"run_id", "spec_hash", "donor", "snapshot_id", "created_at", "numel", "dtype", "chunk_bytes",
                   "version_vector", "chunk_digests"}
+_OPTIONAL_KEYS = {"version_vector_holes", "standing"}
 _PROGRESS_LOG_S = 5.0
 
 
@@ -105,6 +108,8 @@ class Manifest:
     chunk_bytes: int
     chunk_digests: tuple[bytes, ...]
     version_vector: VersionVector
+    trusted: tuple[str, ...] = ()  # the donor's authors in good standing (sync/standing.py `inherit`)
+    distrusted: tuple[str, ...] = ()
 
 
 def parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str, numel: int,
@@ -133,8 +138,8 @@ def _parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str,
         raise DonorError("bad manifest signature (not signed by the donor)")
     try:
         m = _unpack(manifest_bytes, "manifest", max_bin_len=_DIGEST_BYTES)
-        if not isinstance(m, dict) or not _MANIFEST_KEYS <= set(m) <= _MANIFEST_KEYS | {"version_vector_holes"}:
-            raise ValueError(f"manifest keys must be {sorted(_MANIFEST_KEYS)} (and version_vector_holes)")
+        if not isinstance(m, dict) or not _MANIFEST_KEYS <= set(m) <= _MANIFEST_KEYS | _OPTIONAL_KEYS:
+            raise ValueError(f"manifest keys must be {sorted(_MANIFEST_KEYS)} (and {sorted(_OPTIONAL_KEYS)})")
     except ValueError as e:
         raise DonorError(str(e)) from None
 
@@ -162,7 +167,13 @@ def _parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str,
         vv = VersionVector.from_dict(m["version_vector"], holes=m.get("version_vector_holes"))
     except ValueError as e:
         raise DonorError(f"manifest refused: bad version vector: {e}") from None
-    return Manifest(donor, snapshot_id, float(m["created_at"]), chunk_bytes, tuple(digests), vv)
+    standing = m.get("standing", {})
+    expect(isinstance(standing, dict) and set(standing) <= {"good", "distrusted"}
+           and all(isinstance(v, list) and len(v) <= MAX_INHERITED and all(isinstance(p, str) and 0 < len(p) <= 128
+                                                                          for p in v) for v in standing.values()),
+           f"standing must be {{good, distrusted}}: lists of at most {MAX_INHERITED} PeerIDs")
+    return Manifest(donor, snapshot_id, float(m["created_at"]), chunk_bytes, tuple(digests), vv,
+                    tuple(standing.get("good", ())), tuple(standing.get("distrusted", ())))
 
 
 _UNVERIFIABLE = ("bad_manifest", "bad_chunk", "nonfinite_chunk")
@@ -179,6 +190,7 @@ def _failure_reason(error: BaseException) -> str:
 async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: Sequence[str], numel: int,
                          config: StateSyncConfig, *, guard: Any = None,
                          on_progress: Callable[[int, int], None] | None = None,
+                         on_manifest: Callable[[Manifest], None] | None = None,
                          ) -> tuple[torch.Tensor, VersionVector, str]:
     """Fetch and verify a snapshot from the first donor (in the given order) that serves a good one.
 
@@ -186,7 +198,8 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
     gossip pull what is newer. StateSyncError if every donor failed (each one's reason is in the message).
     With a `guard` (PeerGuard), non-members and penalized donors are skipped, every failure is counted against
     its donor, and a donor that served anything unverifiable is penalized. `on_progress(bytes_done, total)` is
-    called after each verified chunk (a progress bar; it must not block).
+    called after each verified chunk (a progress bar; it must not block); `on_manifest(manifest)` with the
+    manifest of the snapshot returned (e.g. the donor's standing, to inherit).
     """
     config.validate()
     _check_host()
@@ -226,8 +239,12 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
                     guard.penalize(donor, reason)
             continue
         elapsed_s = time.monotonic() - started
+        if guard is not None:  # it gave us a verified state: a contributor (net/admission/ledger.py)
+            guard.ledger.gave_snapshot(donor, len(buffer))
         logger.info("state sync done donor=%s numel=%d updates=%d took_s=%.2f mb_per_s=%.1f", donor, numel,
                     manifest.version_vector.total(), elapsed_s, len(buffer) / 1e6 / max(elapsed_s, 1e-9))
+        if on_manifest is not None:
+            on_manifest(manifest)
         return theta, manifest.version_vector, donor
     if not failures:
         raise StateSyncError("no donor to fetch a snapshot from; wait until other peers of the run are listed")

@@ -7,7 +7,11 @@ chunk of a snapshot no longer held is refused, and the joiner moves on. Requests
 the last snapshot, or while the replica has not changed, share it.
 
 Both RPCs are served behind the peer's guard (access, per-peer rate limits on requests and bytes, a minimum
-pace), so a joiner that asks for chunk after chunk cannot take the donor's uplink from everyone else.
+pace), so a joiner that asks for chunk after chunk cannot take the donor's uplink from everyone else. Each
+request is also admitted only within the uplink's share its caller draws from (net/admission/uplink.py): a
+joiner has given nothing yet, so all joiners together share the newcomers' part ("busy: ..." when spent). What
+is served goes into the guard's ledger: a chunk index the same remote had from us before (of any snapshot:
+a remote fetching snapshots in a loop) is a re-serve and costs it more.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from p2p_diloco.net.statesync.client import (
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.standing import MAX_INHERITED
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import sign_blob
 from p2p_diloco.wire.identity import Identity
@@ -121,6 +126,8 @@ class SnapshotServer:
         async with self._snapshot_lock:  # one snapshot at a time, however many joiners ask
             snapshot = self._reusable() or await self._take_snapshot()
         self.stats["manifests_served"] += 1
+        if self.guard is not None:
+            self.guard.ledger.served(caller, len(snapshot.response))
         logger.info("state sync manifest served joiner=%s snapshot_id=%s numel=%d", caller, snapshot.snapshot_id,
                     self.numel)
         return snapshot.response
@@ -147,6 +154,8 @@ class SnapshotServer:
         chunk = self._read_chunk(snapshot, index)
         self.stats["chunks_served"] += 1
         self.stats["bytes_sent"] += len(chunk)
+        if self.guard is not None:
+            self.guard.ledger.served_chunk(caller, index, len(chunk))
         return chunk
 
     # ---- seams (overridden by fault-injecting tests) --------------------------------------------------------
@@ -201,6 +210,16 @@ class SnapshotServer:
         self.stats["snapshots_taken"] += 1
         return snapshot
 
+    def _standing(self) -> dict[str, list[str]]:
+        """Whom this replica trusts (sync/standing.py): a joiner vets nothing until its own first update, so it
+        merges only these authors meanwhile, and never the distrusted ones (the newest MAX_INHERITED of each)."""
+        standing = getattr(self.replica, "standing", None)
+        if standing is None:
+            return {"good": [], "distrusted": []}
+        with self.replica.lock:
+            good, distrusted = standing.inheritance(MAX_INHERITED)
+        return {"good": good, "distrusted": distrusted}
+
     def _build_snapshot(self) -> _Snapshot:
         theta, vv = self._state()
         data = memoryview(theta.numpy()).cast("B")
@@ -211,7 +230,7 @@ class SnapshotServer:
             "run_id": self.run_id, "spec_hash": self.spec_hash, "donor": self.node.peer_id,
             "snapshot_id": snapshot_id, "created_at": time.time(), "numel": theta.numel(), "dtype": "float32",
             "chunk_bytes": size, "version_vector": vv.to_dict(), "chunk_digests": digests,
-            "version_vector_holes": vv.holes_dict(),
+            "version_vector_holes": vv.holes_dict(), "standing": self._standing(),
         }, use_bin_type=True)
         response = msgpack.packb({"m": manifest, "s": self._sign(manifest)}, use_bin_type=True)
         if len(response) > self.config.max_manifest_bytes:

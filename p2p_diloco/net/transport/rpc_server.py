@@ -65,6 +65,9 @@ class Guard(Protocol):
     def on_reject(self, caller: str, counter: str) -> None:
         """The RPC layer refused or cut a stream by itself; `counter` is the RpcStats field it counted."""
 
+    def is_contributor(self, caller: str) -> bool:
+        """True if `caller` has given us something (half of each handler's slots are kept for such callers)."""
+
 
 
 class _HandlerFailed(Exception):
@@ -91,6 +94,9 @@ class _Server:
         self.min_bytes_per_s = min_bytes_per_s
         self.stats = RpcStats()
         self.slots = asyncio.Semaphore(max_concurrent)
+        # Callers that never gave us anything hold at most half the slots together (issue 16): a crowd of fresh
+        # identities that keeps every slot busy must not turn away the peers we trade with.
+        self.max_newcomers, self.newcomers = max(1, max_concurrent // 2), 0
 
     async def on_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Called by hivemind's p2pclient for each incoming stream; nothing may escape from here.
@@ -100,8 +106,15 @@ class _Server:
             caller = stream_info.peer_id.to_base58()
             if self.slots.locked():
                 raise _Reject(f"busy: {self.max_concurrent} calls in flight", "rejected_busy")
-            async with self.slots:
-                await self._serve_one(reader, writer, caller, Pace(self.timeout_s, self.min_bytes_per_s))
+            newcomer = self.guard is not None and not self.guard.is_contributor(caller)
+            if newcomer and self.newcomers >= self.max_newcomers:
+                raise _Reject(f"busy: {self.newcomers} calls of peers we have no record of in flight", "rejected_busy")
+            self.newcomers += newcomer
+            try:
+                async with self.slots:
+                    await self._serve_one(reader, writer, caller, Pace(self.timeout_s, self.min_bytes_per_s))
+            finally:
+                self.newcomers -= newcomer
         except _Reject as e:
             setattr(self.stats, e.counter, getattr(self.stats, e.counter) + 1)
             if self.guard is not None and e.counter != "rejected_policy":  # the guard counted its own refusal

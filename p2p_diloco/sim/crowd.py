@@ -1,0 +1,128 @@
+"""A crowd of fresh identities in the in-process swarm (issue 16): poisoning that costs the attacker nothing but keys.
+
+`CrowdSwarm` is `HostileSwarm` (sim/adversary.py) with `crowd` extra identities on top of the honest peers. They
+train nothing and spend none of the token budget: each time honest peer 0 publishes, every crowd identity
+publishes the tampered copy of that update (`sign_flip`: negated, `scale`: times `factor`) under its own
+identity and next seq, claiming the full weight (`max_weight`), and sends it to every honest peer. That is
+the cheapest attack an open run admits: K identities for the price of one stolen update per round.
+
+How many peers the honest senders weight by (`SwarmView.num_peers`) is the real peer's rule: `count` "records"
+counts every identity with a record (the crowd included: today's main), "proven" only authors in good standing
+whose updates merged recently (sync/standing.py `Standing.proven`, what the real peer does now).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.config import RunSpec, SimConfig
+from p2p_diloco.sim.adversary import HostileSwarm
+from p2p_diloco.sim.swarm import SimPeer
+from p2p_diloco.sync.standing import MAX_INHERITED
+from p2p_diloco.train.data import Corpus
+from p2p_diloco.train.learner import SwarmView
+from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
+from p2p_diloco.wire.identity import Identity
+
+PROVEN_WINDOW_ROUNDS = 8
+"""A proven author's last full-weight update must be at most this many of its own phases old (simulated)."""
+
+
+@dataclass(frozen=True)
+class CrowdAttack:
+    size: int
+    mode: str = "sign_flip"  # sign_flip | scale | noise (random direction, honest norm x factor) | mixed
+    factor: float = 5.0
+    count: str = "proven"  # proven | records: who counts in the swarm's size
+    after: int = 0  # the crowd copies peer 0's updates from its seq after+1 on (0: from its first)
+
+
+class CrowdSwarm(HostileSwarm):
+    """Honest peers plus a crowd of identities that re-sign tampered copies of peer 0's updates."""
+
+    def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, attack: CrowdAttack, *,
+                 progress: Callable | None = None) -> None:
+        self.attack = attack
+        self.crowd = [Identity.generate() for _ in range(attack.size)]
+        self.crowd_seq = [0] * attack.size
+        self.noise_rng = torch.Generator().manual_seed(spec.seed + 1)
+        super().__init__(spec, sim, corpus, progress=progress)
+
+    def _add_peer(self, speed: float, state=None) -> SimPeer:  # noqa: ANN001
+        peer = super()._add_peer(speed, state)
+        if peer.index == 0 and self.crowd:
+            honest_publish = peer.exchange.publish
+
+            def publish(update: OuterUpdate) -> None:
+                honest_publish(update)
+                self._crowd_publishes(peer, update)
+
+            peer.exchange.publish = publish  # type: ignore[method-assign]
+        return peer
+
+    def _join(self) -> None:
+        """AsyncSwarm._join, plus what the real joiner does: it inherits its donor's standing with the snapshot
+        (net/statesync/server.py), before it merges the donor's newer updates."""
+        alive = self._alive()
+        if not alive:
+            return
+        donor = self.rng.choice(alive)
+        peer = self._add_peer(1.0, state=donor.learner.replica.snapshot())
+        if donor.learner.replica.standing is not None and peer.learner.replica.standing is not None:
+            peer.learner.replica.standing.inherit(*donor.learner.replica.standing.inheritance(MAX_INHERITED))
+        sync_s = peer.learner.numel * 4 / self.net.bytes_per_s + self.sim.latency_s
+        self.net.bytes_sent[donor.learner.peer_id] += peer.learner.numel * 4
+        for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):
+            peer.intake.receive(encode_update(update))
+        self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
+
+    def _crowd_publishes(self, source: SimPeer, honest: OuterUpdate) -> None:
+        if honest.seq <= self.attack.after:
+            return
+        codec, h = source.learner.codec, honest.header
+        d = codec.decompress(honest.payload, h.numel)
+        flipped, scaled = codec.compress(-d), codec.compress(d * self.attack.factor)
+        targets = [p for p in self._alive() if p is not source] + [source]
+        for i, identity in enumerate(self.crowd):
+            mode = self.attack.mode if self.attack.mode != "mixed" else ("sign_flip", "scale")[i % 2]
+            if mode == "noise":  # a random direction at the honest norm: no cosine test can tell it apart
+                noise = torch.randn(d.numel(), generator=self.noise_rng)
+                payload = codec.compress(noise * (d.norm() / noise.norm()) * self.attack.factor)
+            else:
+                payload = flipped if mode == "sign_flip" else scaled
+            self.crowd_seq[i] += 1
+            forged = make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=self.crowd_seq[i], tau=h.tau,
+                                 samples=h.samples, weight=self.spec.outer.max_weight, codec=h.codec, numel=h.numel,
+                                 payload=payload, identity=identity, created_at=h.created_at)
+            data = encode_update(forged)
+            for target in targets:
+                self.net.send(identity.peer_id, target.learner.peer_id, data)
+
+    def _view(self) -> SwarmView:
+        per_peer = self.spec.inner.inner_steps * self.spec.data.batch_size
+        alive = self._alive()
+        if self.attack.count == "records":
+            n = len(alive) + self.attack.size
+        else:  # the real peer's rule (peer/exchange.py): what the replicas merged recently, here their mean
+            window = PROVEN_WINDOW_ROUNDS * self.spec.inner.inner_steps * self.sim.step_time_s
+            sizes = [p.learner.replica.standing.swarm_size(self.queue.now, window)
+                     for p in alive if p.learner.replica.standing is not None]
+            size = sum(sizes) / len(sizes) if sizes else float(len(alive))
+            return SwarmView(num_peers=max(1, round(size)), samples_per_round=size * per_peer)
+        return SwarmView(num_peers=max(1, n), samples_per_round=max(1, n) * per_peer)
+
+    def crowd_summary(self) -> dict:
+        """What the honest replicas made of the crowd: verdict counts, summed over the honest peers."""
+        stats: dict[str, int] = {}
+        for p in self._alive():
+            standing = p.learner.replica.standing
+            for k, v in (standing.stats.items() if standing is not None else ()):
+                stats[k] = stats.get(k, 0) + v
+        distrusted = [len(p.learner.replica.standing.distrusted) for p in self._alive()
+                      if p.learner.replica.standing is not None]
+        return {"verdicts": stats, "distrusted_min": min(distrusted) if distrusted else 0,
+                "crowd": self.attack.size, "mode": self.attack.mode, "count": self.attack.count,
+                "crowd_published": sum(self.crowd_seq)}
