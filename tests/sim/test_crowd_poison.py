@@ -42,6 +42,7 @@ def test_ten_poisoning_identities_cost_the_honest_replicas_at_most_five_percent(
         assert scalers <= set(replica.banned), "an x5 identity was not banned somewhere"
 
 
+@pytest.mark.slow  # 16 s; the test above is the default suite's representative
 def test_a_crowd_that_comes_late_is_refused_and_distrusted_everywhere() -> None:
     """The crowd starts once peer 0 is in good standing (from its 5th update): each copy loses its pair (taken
     back where it beat its original), and every sign-flipping identity ends distrusted on every replica."""
