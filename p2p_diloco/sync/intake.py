@@ -53,9 +53,9 @@ logger = logging.getLogger(__name__)
 
 HEADER_ALLOWANCE_BYTES = 4096  # msgpack framing + header + signature; generous, still a hard bound
 MAX_EVIDENCE = 16
+"""Proofs kept (the most recent senders'); each is two envelopes."""
 MAX_UNTAKEN = 256
 """Copies found before the store holds them (`take_back_copies` retries each once, at the next receive)."""
-"""Proofs kept (the most recent senders'); each is two envelopes."""
 _NOT_REJECTIONS = (MergeOutcome.MERGED, MergeOutcome.BUFFERED, MergeOutcome.DUPLICATE)
 
 

@@ -37,13 +37,10 @@ update's weighted payload (at most `outer_lr * max_weight * step_ceiling` per co
 uses). A joiner, which holds no reference or window before its own first update, merges only its donor's
 trusted authors until then (`inherit`).
 
-The reference refuses nothing by default. Refusing by it is opt-in: `min_agreement` (a cosine below it),
-`max_norm_ratio` (longer than that multiple of a decaying maximum of the reference's norms) and
-`full_agreement` (the author's average cosine below it). All three misfired on honest work in real-process
-runs: a joiner's first update after a state sync measured -0.63 against two replicas' references and not a
-third's, whose replica then differed; honest updates at a small lr late in a run measured down to -0.2
-(averages -0.17); with H=2 honest updates after a pause or a join measured 3.2-3.9x the recent norms. They stay
-for runs that accept that cost for some protection against noise.
+The reference refuses nothing by default; `min_agreement`, `max_norm_ratio` and `full_agreement` (config/spec.py)
+refuse by it opt-in. All three misfired on honest work in real-process runs (a joiner's first update at cos
+-0.63 with two replicas' references and not a third's; cosines down to -0.2 late in a run; norms 3.2-3.9x
+after a pause at H=2).
 
 Why not a score every peer computes alike: it needs a shared point to evaluate at (a loss change on a batch
 fixed by the spec needs a theta every peer holds; the direction of "the others' updates of the same epoch"
@@ -153,32 +150,30 @@ class Standing:
         if not (0.0 < probation and math.isfinite(probation)):
             raise ValueError(f"probation must be a positive number, got {probation}")
         self.probation, self.min_agreement, self.max_norm_ratio = probation, min_agreement, max_norm_ratio
-        self.full_agreement = full_agreement
+        self.full_agreement, self.copy_cosine, self.self_id = full_agreement, copy_cosine, self_id
         self.averages: OrderedDict[str, float] = OrderedDict()  # author -> average agreement, least recent first
-        self.self_id = self_id
         self.reference: Tensor | None = None
         self.reference_norm = 0.0  # decaying maximum of the norms of the payloads folded into the reference
         self.distrusted: OrderedDict[str, str] = OrderedDict()  # author -> why
         self.strikes: dict[str, int] = {}  # author -> refusals in a row (insertion order: oldest first)
         # author -> (time of its last merge here that was not refused, the multiplier it merged at), least
-        # recent first; `good` marks the authors whose last such merge was vetted and at full weight
+        # recent first; `good`: the authors in good standing (`observe`)
         self.recent: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.good: set[str] = set()
         self._candidates: OrderedDict[str, int] = OrderedDict()  # author -> seq of its last update that could
         # count towards good standing (full weight, along the reference, not matched by a copy so far)
         self.stats: dict[str, int] = {"probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
                                       "copy": 0, "negated_copy": 0, TIED: 0, "distrusted": 0, "unvetted": 0}
-        self.copy_cosine = copy_cosine
-        # [author, seq, unit sample, state: "" (merged with a weight), TIED or REFUSED], newest last
+        # [author, seq, row of `_samples`, state: "" (merged with a weight), TIED or REFUSED], newest last; the
+        # unit samples sit in one matrix (a ring of COPY_WINDOW rows), so a copy test is one product, not a loop
         self._window: deque[list] = deque(maxlen=COPY_WINDOW)
+        self._samples: Tensor | None = None
+        self._next_row = 0
         self._last: tuple[str, int, Tensor | None] = ("", 0, None)  # the last sample `_copy_test` took
-        # (author, seq, reason) of merged copies found only when their original came (`copies_found`)
-        self._found: list[tuple[str, int, str]] = []
+        self._found: list[tuple[str, int, str]] = []  # copies found after they merged (`copies_found`)
         self._sample_at: Tensor | None = None
         self._logged_at, self._suppressed = -math.inf, 0
-        # Authors a joiner merges before it can vet (its reference forms with its own first update): its donor's
-        # good standing (`inherit`). None: no donor's word (a fresh run, a restart), every author merges unvetted.
-        self.inherited: set[str] | None = None
+        self.inherited: set[str] | None = None  # a joiner's donor's word (`inherit`); None: no donor
 
     def judge(self, sender: str, seq: int, delta: Tensor, now: float = 0.0) -> Verdict:
         """The verdict on `sender`'s update `seq` with decoded payload `delta` (before it merges)."""
@@ -201,7 +196,7 @@ class Standing:
         if not math.isfinite(agreement):
             return Verdict(0.0, "disagrees", -1.0, ratio, -1.0)
         average = AGREEMENT_DECAY * self.averages.get(sender, AGREEMENT_PRIOR) + (1 - AGREEMENT_DECAY) * agreement
-        if copied:  # a tie: weight 0, and its agreement still counts towards good standing
+        if copied:  # a tie: weight 0 (its agreement feeds the author's average only)
             return Verdict(0.0, copied, agreement, ratio, average)
         if self.min_agreement > -1.0 and agreement < self.min_agreement:
             return Verdict(0.0, "disagrees", agreement, ratio, average)
@@ -228,7 +223,7 @@ class Standing:
         if self.copy_cosine > 0 and (verdict.multiplier > 0 or tied):
             sample = self._last[2] if self._last[:2] == (sender, seq) else self._sample(delta)
             if sample is not None:
-                self._window.append([sender, seq, sample, TIED if tied else ""])
+                self._remember(sender, seq, sample, TIED if tied else "")
         # A tie earns nothing, not even standing: the two are symmetric, and a scaled copy points along the
         # reference as well as its original does.
         if verdict.multiplier <= 0:  # tied, low agreement or distrusted: counts in nothing until it earns it again
@@ -241,16 +236,12 @@ class Standing:
         if verdict.multiplier >= 1.0 and (verdict.vetted or (sender == self.self_id and
                                                             math.isnan(verdict.agreement))):
             # Good standing takes two such updates in a row (seq k-1 and k), the first still unmatched when the
-            # second comes: a copy that beat its original here looks like an original, until the original
-            # comes (a tie, or the copy's take-back), which in a swarm is well before the copier's next copy
-            # (measured with one: a copier won a race, was promoted, and its x5 copies then merged at full
-            # weight on that replica, +385% eval loss, replicas 1.2 apart).
+            # second comes: a copy that beat its original looks like one until the original comes (with one,
+            # a copier was promoted and its x5 copies won their pairs there: +385% eval loss, replicas 1.2 apart).
             if self._candidates.pop(sender, None) == seq - 1:
                 self.good.add(sender)
-                # Strikes reset only here, on proof of own work: a copy that merged before its original would
-                # otherwise reset its author's strikes every round (100 copiers that always won the race to one
-                # replica were never distrusted there).
-                self.strikes.pop(sender, None)
+                self.strikes.pop(sender, None)  # only on proof of own work: a copy that beat its original
+                # would reset them each round (100 such copiers were never distrusted on one replica)
             self._candidates[sender] = seq
             while len(self._candidates) > MAX_STANDING:
                 self._candidates.popitem(last=False)
@@ -280,14 +271,15 @@ class Standing:
         - neither in good standing (an honest newcomer copied while on probation, or copiers among themselves):
           both merge at 0 (TIED, no strike; the first to come is taken back), as no local fact tells which is
           the original;
-        - both in good standing: both merge (it cannot tell either; an author reaches good standing only with
-          an update that merged at full weight pointing along the reference)."""
+        - both in good standing: both merge (it cannot tell either; see `observe` for how standing is earned)."""
         sample = self._sample(delta)
         self._last = (sender, seq, sample)
         if sample is None or not self._window:
             return ""
-        matches = [(entry, float(torch.dot(entry[2], sample))) for entry in self._window if entry[0] != sender]
-        matches = [(entry, cosine) for entry, cosine in matches if abs(cosine) >= self.copy_cosine]
+        cosines = self._samples @ sample  # type: ignore[operator]  (rows not yet written are zero)
+        rows = {entry[2]: entry for entry in self._window}
+        matches = [(rows[row], float(cosines[row])) for row in
+                   (cosines.abs() >= self.copy_cosine).nonzero().flatten().tolist() if rows[row][0] != sender]
         if not matches:
             return ""
         trusted = self.good  # this peer too only once in good standing: others see its first updates alike
@@ -303,6 +295,16 @@ class Standing:
             if not entry[3]:
                 self._take_back(entry, TIED, now)
         return TIED
+
+    def _remember(self, sender: str, seq: int, sample: Tensor, state: str) -> None:
+        """Add a payload's sample to the window; the ring's row is the oldest entry's, which the deque drops."""
+        if self._samples is None or self._samples.shape[1] != sample.numel():
+            self._samples, self._next_row = torch.zeros(COPY_WINDOW, sample.numel()), 0
+            self._window.clear()
+        row = self._next_row
+        self._samples[row] = sample
+        self._next_row = (row + 1) % COPY_WINDOW
+        self._window.append([sender, seq, row, state])
 
     def _take_back(self, entry: list, reason: str, now: float) -> None:
         """A window payload turned out to be a copy: queue the take-back of its weight (none left if it tied)
