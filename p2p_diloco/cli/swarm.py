@@ -237,6 +237,8 @@ async def _bootstrap(config: BootstrapConfig, stop: Any) -> None:
     from p2p_diloco.net.transport.addresses import announce_maddr, listen_maddr
     from p2p_diloco.net.transport.netloop import exit_with_parent
     from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
+    from p2p_diloco.net.transport.probe import serve_probe
+    from p2p_diloco.net.transport.relay import RelayServer
     from p2p_diloco.wire.identity import Identity
 
     identity_path = str(Path(config.identity).expanduser())
@@ -249,6 +251,9 @@ async def _bootstrap(config: BootstrapConfig, stop: Any) -> None:
     exit_with_parent(node)
     page = None
     try:
+        await serve_probe(node)  # `doctor` (and joiners) ask us to dial them back and time an upload
+        relay = RelayServer(node.p2p)  # streams between peers behind NAT (net/transport/relay.py)
+        await relay.start()
         print(f"bootstrap ready (peer id {identity.peer_id}; checks records of runs: {', '.join(run_ids)})")
         for maddr in node.visible_maddrs():
             print(maddr)
@@ -267,7 +272,8 @@ async def _bootstrap(config: BootstrapConfig, stop: Any) -> None:
                         counts.append(f"{run_id}={len(live(await list_peers(node, run_id, config.dht_timeout_s)))}")
                     except Exception as e:  # a report is best effort
                         counts.append(f"{run_id}=? ({type(e).__name__})")
-                print(f"live peers: {' '.join(counts)}", flush=True)
+                print(f"live peers: {' '.join(counts)}; relayed streams {relay.stats.forwarded} "
+                      f"({relay.stats.bytes / 1e6:.1f} MB), {relay.stats.active} open", flush=True)
         print("bootstrap stopping", flush=True)
     finally:
         if page is not None:

@@ -14,6 +14,7 @@ DEFAULT_BOOTSTRAP_PORT = 31337
 MAX_CHUNK_BYTES = 64 << 20
 """Largest chunk a joiner accepts a manifest to declare (bounds one response in memory)."""
 REACHABILITY = ("", "public", "private")
+PEER_REACHABILITY = ("auto", "public", "private")
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,21 @@ class NetworkConfig:
     """Bootstrap multiaddrs, comma-separated, each ending in /p2p/<peer id> (empty: start a new swarm)."""
     identity: str = "~/.config/p2p-diloco/identity.key"
     """Ed25519 identity file, created if missing (mode 0600); peers on one machine need one each."""
-    host: str = "127.0.0.1"
-    """Address to listen on: an IP (0.0.0.0 for every interface) or a full multiaddr."""
+    host: str = "0.0.0.0"
+    """Address to listen on: an IP (0.0.0.0: every interface, so a host with a public address can be dialed;
+    127.0.0.1 keeps a local swarm on this host) or a full multiaddr."""
     port: int = 0
-    """TCP port to listen on (0: any free port)."""
+    """TCP port to listen on (0: any free port; a fixed one for a port forward or a firewall rule)."""
     announce: tuple[str, ...] = ()
     """Addresses others should dial, comma-separated: public IPs or DNS names (with --port) or multiaddrs."""
     client_mode: bool = False
-    """Serve no DHT requests (for a peer others cannot dial)."""
+    """Serve no DHT requests (implied by reachability private: nobody could dial us to ask)."""
     use_auto_relay: bool = False
-    """Reserve a slot on a relay (the bootstrap) to be reachable from behind NAT."""
-    reachability: str = ""
-    """Override NAT detection: public or private (empty: detect)."""
+    """Also ask libp2p's autorelay for a circuit slot on the bootstrap (implied by reachability private; it
+    takes ~3 minutes, so p2p-diloco forwards streams through the bootstrap meanwhile: net/transport/relay.py)."""
+    reachability: str = "auto"
+    """Can others dial this peer? auto: ask a bootstrap to dial us back at start (AutoNAT-like), public: yes
+    (an open port or --announce), private: no (behind NAT: others reach us through the bootstrap)."""
     start_timeout_s: float = 60.0
     """Upper bound on starting the node, retries on an unresponsive bootstrap included, in seconds."""
     record_ttl_s: float = 60.0
@@ -47,8 +51,8 @@ class NetworkConfig:
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
         _require(3 <= self.record_ttl_s <= 3600, f"record_ttl_s must be in [3, 3600], got {self.record_ttl_s}")
         _require(self.dht_timeout_s > 0 and self.start_timeout_s > 0, "dht_timeout_s and start_timeout_s must be > 0")
-        _require(self.reachability in REACHABILITY,
-                 f"reachability must be public, private or empty, got {self.reachability!r}")
+        _require(self.reachability in (*PEER_REACHABILITY, ""),
+                 f"reachability must be auto, public or private, got {self.reachability!r}")
         return self
 
 
@@ -72,6 +76,10 @@ class GossipConfig:
     """Pull requests served at once; more are refused as busy (the requester tries again later)."""
     log_interval_s: float = 30.0
     """A failing peer is logged at most once per this many seconds (every failure is counted in `stats`)."""
+    stream_bytes_per_s: float = 512e3
+    """Bandwidth awareness: the rate one outgoing stream should get. fanout and max_concurrent_serves shrink to
+    the streams this peer's uplink feeds at this rate (at least 2 each; the uplink: min of admission.rate's
+    uplink_bytes_per_s and the rate measured from our own transfers), and grow back with it (0: never adapt)."""
 
     def validate(self) -> GossipConfig:
         if self.fanout < 1 or self.pull_max_updates < 1 or self.max_concurrent_pulls < 1 \
@@ -79,8 +87,8 @@ class GossipConfig:
             raise ValueError("fanout, pull_max_updates, max_concurrent_pulls and max_concurrent_serves must be >= 1")
         if not (self.anti_entropy_s > 0 and self.rpc_timeout_s > 0 and self.log_interval_s >= 0):
             raise ValueError("anti_entropy_s and rpc_timeout_s must be > 0, log_interval_s >= 0")
-        if self.retained_bytes < 0:
-            raise ValueError(f"retained_bytes must be >= 0, got {self.retained_bytes}")
+        if self.retained_bytes < 0 or self.stream_bytes_per_s < 0:
+            raise ValueError("retained_bytes and stream_bytes_per_s must be >= 0")
         return self
 
 

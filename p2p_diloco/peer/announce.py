@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from p2p_diloco.net.admission.policy import MEMBER_PROOF_FIELD
 from p2p_diloco.net.discovery.records import MAX_PEER_RECORD_BYTES, announce_peer, list_peers, validator_counts
 from p2p_diloco.net.discovery.status import fit_record, live, number, text
+from p2p_diloco.net.transport import relay
 from p2p_diloco.peer.network_counters import rejection_totals
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class Presence:
     def record(self, state: str | None = None) -> dict:
         vv = self.learner.replica.version_vector
         record = {**self.static_record, **self.figures, **self.local}
-        record.update(maddrs=self.node.visible_maddrs()[:MAX_ANNOUNCED_MADDRS], version_vector_total=vv.total(),
+        record.update(maddrs=self.node.visible_maddrs()[:MAX_ANNOUNCED_MADDRS], reach=self.node.reachability,
+                      version_vector_total=vv.total(),
                       vv_digest=vv.digest().hex()[:16], seq=vv.get(self.node.peer_id), updated_at=get_dht_time())
         if state is not None:
             record["state"] = state
@@ -98,6 +100,10 @@ class Presence:
         return fit_record(record, MAX_PEER_RECORD_BYTES)
 
     async def announce(self, state: str | None = None, timeout_s: float | None = None) -> bool:
+        try:  # addresses change after the start (a relay reservation adds a /p2p-circuit one): publish the latest
+            await self.node.refresh_visible_maddrs(timeout_s=min(self.dht_timeout_s, 5.0))
+        except Exception as e:
+            logger.debug("refreshing our addresses failed error=%r", e)
         record = self.record(state)
         try:
             ok = await announce_peer(self.node, self.run_id, record, self.identity, ttl_s=self.record_ttl_s,
@@ -160,6 +166,9 @@ class Presence:
                               for pid, r in members.items() if isinstance(r.get("maddrs"), list)} | {
             pid: m for pid, m in self._known_maddrs.items() if pid in self.lost}
         self.peers = live(members)
+        for pid, record in self.peers.items():  # peers that said nobody can dial them: through a relay first
+            if record.get("reach") == "private":
+                relay.mark_private(self.node.p2p, pid)
         if self.on_refreshed is not None:
             self.on_refreshed()
         try:  # what our DHT node refused (cumulative), plus what this read dropped (records visible now)

@@ -43,6 +43,7 @@ from p2p_diloco.net.transport.netloop import NetLoop, Stopped, exit_with_parent
 from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
 from p2p_diloco.peer.announce import Presence
 from p2p_diloco.peer.network_counters import collect_counters
+from p2p_diloco.peer.reach import donor_rank, settle_reachability, start_node
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.version_vector import VersionVector
@@ -124,6 +125,7 @@ class PeerNetwork:
         self._services: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self._admission_checked = False
+        self.reach_why = ""  # how --reachability auto decided (peer/reach.py)
 
     # ---- what the compute thread reads and writes (each replaced whole, never mutated in place) ------------
 
@@ -166,8 +168,10 @@ class PeerNetwork:
 
         AccessDenied if the run's allow list (in the spec) does not name this peer."""
         started = time.monotonic()
-        self.node = await SwarmNode.start(self.identity_path, self.node_config,
-                                          record_validators=[PeerRecordValidator([self.run_id])])
+        self.node = await start_node(self.identity_path, self.node_config, [PeerRecordValidator([self.run_id])])
+        if self.node_config.force_reachability is None and self.node_config.initial_peers:  # --reachability auto
+            self.node, self.node_config, self.reach_why = await settle_reachability(
+                self.node, self.identity_path, [PeerRecordValidator([self.run_id])], self.dht_timeout_s)
         exit_with_parent(self.node)
         self.presence.node = self.node
         logger.info("node up took_s=%.2f", time.monotonic() - started)
@@ -232,8 +236,7 @@ class PeerNetwork:
             # A donor that served an unverifiable snapshot is penalized: as if absent, so a hostile peer that
             # claims the freshest replica cannot keep the first honest peers of a run from starting.
             donors = sorted((pid for pid, r in records.items() if number(r, "version_vector_total") > 0
-                             and not self.guard.is_penalized(pid)),
-                            key=lambda pid: -number(records[pid], "version_vector_total"))
+                             and not self.guard.is_penalized(pid)), key=lambda pid: donor_rank(records[pid]))
             if not donors:
                 return None
             started = time.monotonic()

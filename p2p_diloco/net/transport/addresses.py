@@ -3,6 +3,8 @@ from a peer's `NetworkConfig` (the light config) to the transport's `NodeConfig`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from p2p_diloco.config.network import NetworkConfig
 from p2p_diloco.net.transport.node import NodeConfig, NodeError, parse_multiaddr
 
@@ -31,10 +33,25 @@ def announce_maddr(address: str, port: int) -> str:
     return parse_multiaddr(f"/{_ip_protocol(address)}/{address}/tcp/{port}")
 
 
-def node_config(network: NetworkConfig) -> NodeConfig:
-    """The transport's settings for a peer of the swarm; NodeError names a bad address."""
+def node_config(network: NetworkConfig, reachability: str | None = None) -> NodeConfig:
+    """The transport's settings for a peer of the swarm; NodeError names a bad address.
+
+    `reachability` (default: the config's) public: AutoNAT forced public; private: forced private, a DHT
+    client (nobody could dial us to serve a request; a NATed DHT server only makes others' stores fail), and
+    libp2p's autorelay on with the bootstraps as trusted relays; auto: AutoNAT decides, autorelay on."""
+    reach = reachability or network.reachability or "auto"
+    bootstraps = tuple(parse_multiaddr(b, require_peer_id=True) for b in network.bootstrap)
+    private = reach == "private"
     return NodeConfig(host_maddrs=(listen_maddr(network.host, network.port),),
                       announce_maddrs=tuple(announce_maddr(a, network.port) for a in network.announce),
-                      initial_peers=tuple(parse_multiaddr(b, require_peer_id=True) for b in network.bootstrap),
-                      start_timeout_s=network.start_timeout_s, client_mode=network.client_mode,
-                      use_auto_relay=network.use_auto_relay, force_reachability=network.reachability or None)
+                      initial_peers=bootstraps, start_timeout_s=network.start_timeout_s,
+                      client_mode=network.client_mode or private,
+                      use_auto_relay=network.use_auto_relay or (reach != "public" and bool(bootstraps)),
+                      force_reachability=None if reach == "auto" else reach,
+                      trusted_relays=bootstraps if private else ())
+
+
+def as_private(config: NodeConfig) -> NodeConfig:
+    """`config` for a peer nobody can dial (what `--reachability private` gives, see `node_config`)."""
+    return replace(config, force_reachability="private", client_mode=True, use_auto_relay=True,
+                   trusted_relays=config.initial_peers)

@@ -33,6 +33,8 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from multiaddr import Multiaddr as _PyMultiaddr
 from multiaddr.exceptions import Error as _MultiaddrError
 
+from p2p_diloco.net.transport import relay
+
 logger = logging.getLogger(__name__)
 
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
@@ -70,6 +72,8 @@ class NodeConfig:
     """Look for a relay and reserve a slot on it, to be reachable from behind NAT."""
     force_reachability: str | None = None
     """Override AutoNAT: "public" (e.g. a bootstrap that relays for others) or "private"; None = detect."""
+    trusted_relays: tuple[str, ...] = ()
+    """Relays to reserve a circuit slot on (full multiaddrs; p2pd's default is the bootstrap peers)."""
     shutdown_timeout_s: float = 10.0
     """Upper bound on `SwarmNode.shutdown`, in seconds."""
 
@@ -84,7 +88,7 @@ class NodeConfig:
             maddr = _PyMultiaddr(parse_multiaddr(addr))
             if any(p.name in ("tcp", "udp") and maddr.value_for_protocol(p.code) == "0" for p in maddr.protocols()):
                 raise NodeError(f"announce multiaddr '{addr}' has port 0; announce the real, explicit port")
-        for addr in self.initial_peers:
+        for addr in (*self.initial_peers, *self.trusted_relays):
             parse_multiaddr(addr, require_peer_id=True)
         if self.force_reachability not in (None, *REACHABILITY_MODES):
             raise NodeError(f"force_reachability must be one of {REACHABILITY_MODES} or None, "
@@ -135,6 +139,7 @@ def _dht_kwargs(identity_path: str, config: NodeConfig, validators: Sequence[Rec
         use_auto_relay=config.use_auto_relay,
         force_reachability=config.force_reachability,
         record_validators=list(validators),
+        **({"trusted_relays": list(config.trusted_relays)} if config.trusted_relays else {}),
     )
 
 
@@ -192,6 +197,8 @@ class SwarmNode:
         self.config = config
         self.peer_id: str = p2p.peer_id.to_base58()
         self._maddrs = maddrs
+        self.reachability = config.force_reachability or "unknown"
+        """public, private or unknown: what others learn from our record (the join's probe may settle it)."""
         self._shutdown_task: asyncio.Task | None = None
 
     @classmethod
@@ -221,6 +228,9 @@ class SwarmNode:
             await asyncio.to_thread(_stop_dht, dht)
             raise
         node = cls(dht, p2p, config, maddrs)
+        # Streams to peers nobody can dial go through a bootstrap (net/transport/relay.py); a FORWARDED frame
+        # is believed only from them.
+        relay.install(p2p, [m.rsplit("/p2p/", 1)[-1] for m in config.initial_peers])
         logger.info("swarm node started peer_id=%s maddrs=%s client_mode=%s", node.peer_id, maddrs,
                     config.client_mode)
         return node

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from hivemind.p2p import P2P, PeerID
 
+from p2p_diloco.net.transport import relay
 from p2p_diloco.net.transport.framing import (
     DATA,
     END,
@@ -32,11 +33,11 @@ from p2p_diloco.net.transport.rpc_errors import (
 
 async def _open(p2p: P2P, peer_id: str, name: str, request: bytes, timeout_s: float):
     try:
-        target = PeerID.from_base58(peer_id)
+        PeerID.from_base58(peer_id)
     except Exception:
         raise RpcError(f"bad peer id {peer_id!r}") from None
     try:
-        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(target, name), timeout_s)
+        reader, writer = await relay.open_stream(p2p, peer_id, name, timeout_s)  # direct, else through a relay
     except asyncio.TimeoutError:
         raise RpcTimeoutError(f"could not open '{name}' on peer {peer_id} within {timeout_s:g}s") from None
     except Exception as e:  # p2pd: "protocol not supported", "all dials failed", ...

@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import suppress
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Protocol
 
 from hivemind.p2p import P2P
 
+from p2p_diloco.net.transport import relay
 from p2p_diloco.net.transport.framing import (
     DATA,
     END,
@@ -31,7 +32,10 @@ from p2p_diloco.net.transport.rpc_errors import RpcError
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[bytes, str], "Awaitable[bytes | AsyncIterator[bytes]] | AsyncIterator[bytes]"]
+Handler = Callable[..., "Awaitable[bytes | AsyncIterator[bytes]] | AsyncIterator[bytes]"]
+"""`handler(request, caller_peer_id)`, or `handler(request, caller_peer_id, remote_maddr)` when served with
+`pass_remote_addr` (the stream's remote multiaddr as our daemon sees it: the caller's observed address, or a
+relay's `/p2p-circuit` address)."""
 
 
 @dataclass
@@ -88,8 +92,9 @@ class _Server:
     """One served handler: the stream callback and its steps (see `serve`)."""
 
     def __init__(self, name: str, handler: Handler, *, max_request_bytes: int, timeout_s: float,
-                 max_concurrent: int, guard: Guard | None, min_bytes_per_s: float) -> None:
-        self.name, self.handler, self.guard = name, handler, guard
+                 max_concurrent: int, guard: Guard | None, min_bytes_per_s: float,
+                 pass_remote_addr: bool = False) -> None:
+        self.name, self.handler, self.guard, self.pass_remote_addr = name, handler, guard, pass_remote_addr
         self.max_request_bytes, self.timeout_s, self.max_concurrent = max_request_bytes, timeout_s, max_concurrent
         self.min_bytes_per_s = min_bytes_per_s
         self.stats = RpcStats()
@@ -101,9 +106,15 @@ class _Server:
     async def on_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Called by hivemind's p2pclient for each incoming stream; nothing may escape from here.
         self.stats.requests += 1
-        caller = "?"
+        caller, remote = "?", ""
         try:
             caller = stream_info.peer_id.to_base58()
+            remote = str(getattr(stream_info, "addr", "") or "")
+            header = None
+            if caller in relay.trusted_forwarders(self.p2p):  # a relay's stream names the caller first
+                header = await self._read_header(reader, None)
+                if header[0] == relay.FORWARDED:
+                    caller, remote, header = await relay.read_forwarded(reader, header[1], self.timeout_s), "", None
             if self.slots.locked():
                 raise _Reject(f"busy: {self.max_concurrent} calls in flight", "rejected_busy")
             newcomer = self.guard is not None and not self.guard.is_contributor(caller)
@@ -112,7 +123,8 @@ class _Server:
             self.newcomers += newcomer
             try:
                 async with self.slots:
-                    await self._serve_one(reader, writer, caller, Pace(self.timeout_s, self.min_bytes_per_s))
+                    await self._serve_one(reader, writer, caller, Pace(self.timeout_s, self.min_bytes_per_s), remote,
+                                          header)
             finally:
                 self.newcomers -= newcomer
         except _Reject as e:
@@ -136,17 +148,29 @@ class _Server:
             writer.close()
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, caller: str,
-                         pace: Pace) -> None:
-        length = await self._read_request_header(reader, pace)
+                         pace: Pace, remote: str = "", header: tuple[int, int] | None = None) -> None:
+        length = await self._read_request_header(reader, pace, header)
         if self.guard is not None:
             refusal = await self._admit(caller, length)
             if refusal:
                 raise _Reject(refusal, "rejected_policy", unread_bytes=length)
         try:
-            await self._respond(reader, writer, caller, await self._read_request(reader, length, pace), pace)
+            await self._respond(reader, writer, caller, await self._read_request(reader, length, pace), pace, remote)
         finally:
             if self.guard is not None:
                 self.guard.release(caller)
+
+    @contextmanager
+    def _metered(self, caller: str, pace: Pace) -> Iterator[None]:
+        """The response's sending, its first frame to our END frame drained, for the guard's uplink meter (its
+        optional `sending(caller, handler)` returns `end(bytes_written)` or None: net/admission/guard.py)."""
+        sending = getattr(self.guard, "sending", None)
+        end, before = (sending(caller, self.name) if sending is not None else None), pace.done
+        try:
+            yield
+        finally:
+            if end is not None:
+                end(pace.done - before)
 
     async def _admit(self, caller: str, length: int) -> str | None:
         try:
@@ -158,19 +182,20 @@ class _Server:
             return f"refused: {type(e).__name__}"
 
     async def _respond(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, caller: str, request: bytes,
-                       pace: Pace) -> None:
+                       pace: Pace, remote: str = "") -> None:
         try:
-            result = await self._guarded(self._invoke(request, caller))
-            if isinstance(result, (bytes, bytearray, memoryview)):
-                await self._send(writer, bytes(result), caller, pace)
-            else:
-                await self._send_chunks(result, writer, caller, pace)
+            result = await self._guarded(self._invoke(request, caller, remote))
+            with self._metered(caller, pace):
+                if isinstance(result, (bytes, bytearray, memoryview)):
+                    await self._send(writer, bytes(result), caller, pace)
+                else:
+                    await self._send_chunks(result, writer, caller, pace)
+                await write_frame(writer, END, b"", self.timeout_s)
         except _HandlerFailed as e:
             self.stats.handler_errors += 1
             logger.info("rpc handler failed handler=%s caller=%s error=%s", self.name, caller, e)
             await write_frame(writer, ERROR, str(e).encode()[:MAX_ERROR_BYTES], self.timeout_s)
             return
-        await write_frame(writer, END, b"", self.timeout_s)
         self.stats.ok += 1
         # Closing right after the last frame lets p2pd cut off the response's tail now and then (19 in 10,500
         # 1 MiB streams measured here); waiting, bounded, for the caller to close first made that 0 in 10,500.
@@ -188,8 +213,8 @@ class _Server:
             raise _Reject(f"response not read within {self.timeout_s:g}s", "timeouts") from None
         self.stats.bytes_out += len(data)
 
-    async def _invoke(self, request: bytes, caller: str) -> bytes | AsyncIterator[bytes]:
-        result = self.handler(request, caller)
+    async def _invoke(self, request: bytes, caller: str, remote: str = "") -> bytes | AsyncIterator[bytes]:
+        result = self.handler(request, caller, remote) if self.pass_remote_addr else self.handler(request, caller)
         if inspect.isawaitable(result):
             result = await result
         if not isinstance(result, (bytes, bytearray, memoryview)) and not hasattr(result, "__aiter__"):
@@ -225,13 +250,17 @@ class _Server:
                 with suppress(Exception):
                     await asyncio.wait_for(aclose(), self.timeout_s)
 
-    async def _read_request_header(self, reader: asyncio.StreamReader, pace: Pace) -> int:
+    async def _read_header(self, reader: asyncio.StreamReader, pace: Pace | None) -> tuple[int, int]:
         try:
-            kind, length = await read_header(reader, self.timeout_s, pace)
+            return await read_header(reader, self.timeout_s, pace)
         except asyncio.TimeoutError:
             raise _Reject(f"request not received within {self.timeout_s:g}s", "timeouts") from None
         except TooSlow as e:
             raise _Reject(f"request too slow: {e}", "slow_streams") from None
+
+    async def _read_request_header(self, reader: asyncio.StreamReader, pace: Pace,
+                                   header: tuple[int, int] | None = None) -> int:
+        kind, length = header or await self._read_header(reader, pace)
         if kind != DATA:
             raise _Reject(f"malformed request: frame kind {kind}", "rejected_malformed")
         if length > self.max_request_bytes:
@@ -251,7 +280,8 @@ class _Server:
 
 
 async def serve(p2p: P2P, name: str, handler: Handler, *, max_request_bytes: int, timeout_s: float,
-                max_concurrent: int = 16, guard: Guard | None = None, min_bytes_per_s: float = 0.0) -> RpcStats:
+                max_concurrent: int = 16, guard: Guard | None = None, min_bytes_per_s: float = 0.0,
+                pass_remote_addr: bool = False) -> RpcStats:
     """Serve `handler(request, caller_peer_id)` under protocol `name` on `p2p`; returns its live counters.
 
     The handler returns bytes, or an async iterator of byte chunks (it may also be an async generator function).
@@ -259,10 +289,13 @@ async def serve(p2p: P2P, name: str, handler: Handler, *, max_request_bytes: int
     (each chunk), and sending each frame get `timeout_s` each; more than `max_concurrent` calls in flight are
     refused; with `min_bytes_per_s`, reading the request and sending the response must keep that pace after a
     grace of `timeout_s`; a `guard` may refuse the caller before the request is read. A handler exception is
-    sent to the caller as "<Type>: <message>" (raise RpcError for a clean message).
+    sent to the caller as "<Type>: <message>" (raise RpcError for a clean message). With `pass_remote_addr`,
+    the handler also gets the stream's remote multiaddr (`handler(request, caller, remote_maddr)`).
     """
     server = _Server(name, handler, max_request_bytes=max_request_bytes, timeout_s=timeout_s,
-                     max_concurrent=max_concurrent, guard=guard, min_bytes_per_s=min_bytes_per_s)
+                     max_concurrent=max_concurrent, guard=guard, min_bytes_per_s=min_bytes_per_s,
+                     pass_remote_addr=pass_remote_addr)
+    server.p2p = p2p
     await p2p.add_binary_stream_handler(name, server.on_stream)
     return server.stats
 
