@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     from p2p_diloco.cli.swarm import add_swarm_commands  # bootstrap | join | status: the real network
 
     add_swarm_commands(sub)
+    from p2p_diloco.cli.doctor import add_doctor_command  # doctor: would a join from here work, and the fixes
+
+    add_doctor_command(sub)
     from p2p_diloco.cli.plot import add_plot_command  # plot: draw peers' JSON logs as PNGs
 
     add_plot_command(sub)
