@@ -86,6 +86,11 @@ async def _status(config: StatusConfig) -> int:
         details = rejection_details(records)
         if details:
             print("\nrejections by reason, and each peer's worst offenders:\n" + details)
+        from p2p_diloco.peer.isolation import alone_lines  # stdlib only: light
+
+        alone = alone_lines(records)
+        if alone:
+            print("\npeers that merge nothing while others publish (their own diagnosis and fix):\n" + "\n".join(alone))
     return 0
 
 

@@ -1,5 +1,5 @@
 """What a peer process writes for people and tests: one line per round (`round_line`), a JSON log (`JsonLog`,
-one object per event: start, sync, eval, round, linger, final) and its final state (`save_state`).
+one object per event: start, sync, eval, round, isolation, linger, final) and its final state (`save_state`).
 
 Light at import time (the CLI imports the peer package to build `join --help`): torch is imported where used.
 """
@@ -28,7 +28,10 @@ def round_line(stats: Mapping[str, Any]) -> str:
     return (f"round {stats['round']:>4}  step {stats['step']:>6}  loss {stats['loss']:.3f}  "
             f"eval {shown_eval}  peers {stats['peers']}  tau {stats['tau']}  "
             f"V {stats['vv_total']}  sent {fmt_bytes(stats['bytes_sent'])}  merged {stats['merged']}  "
-            f"rejected {stats['rejected']}  util {stats['utilization']:.0%}")
+            f"rejected {stats['rejected']}  util {stats['utilization']:.0%}"
+            # a phase stretched over k rounds: our uplink had a backlog (train/loop.py)
+            + (f"  stretch x{stats['stretch']}" if stats.get("stretch", 1) > 1 else "")
+            + ("  ALONE" if stats.get("alone") else ""))  # merged nothing while others publish: peer/isolation.py
 
 
 class JsonLog:

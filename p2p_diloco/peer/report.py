@@ -7,14 +7,18 @@ what goes in them.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from p2p_diloco.peer.isolation import IsolationDetector, Verdict
 from p2p_diloco.peer.output import fmt_bytes, round_line, save_state
 from p2p_diloco.train.loop import Hooks, RoundDone
+
+logger = logging.getLogger(__name__)
 
 
 def print_line(line: str) -> None:
@@ -42,10 +46,16 @@ class PeerReport(Hooks):
         self.status: Any = None  # PeerStatus (peer/status.py): the status page's history of our rounds
         self.sinks: list[Any] = []  # optional TensorBoard / wandb writers (peer/sinks.py)
         self.tokens_per_step = spec.data.batch_size * spec.model.block_size
+        self.isolation: IsolationDetector | None = None  # built at the first round (peer/isolation.py)
 
     def start(self, how: str) -> None:
-        for maddr in self.network.node.visible_maddrs():
+        node = self.network.node
+        for maddr in node.visible_maddrs():
             self.out(f"listening on {maddr}")
+        why = getattr(self.network, "reach_why", "")
+        self.out(f"reachability: {node.reachability}" + (f" ({why})" if why else "") + (
+            "; others reach this peer through the bootstrap's relay" if node.reachability == "private" else ""))
+        self.log.write("reach", peer_id=node.peer_id, reach=node.reachability, why=why)
         verb = "published (first peer of the run)" if how == "published" else "matches the swarm's"
         spec, learner = self.spec, self.learner
         self.out(f"run '{spec.run_id}' spec {spec.spec_hash()[:12]} {verb}; "
@@ -80,22 +90,45 @@ class PeerReport(Hooks):
         self.last = {
             "round": done.round, "step": learner.step, "loss": done.result.mean_loss, "eval_loss": done.eval_loss,
             "peers": done.view.num_peers, "tau": update.header.tau, "weight": update.header.weight, "seq": update.seq,
+            "stretch": done.stretch,
             "vv_total": vv.total(), "bytes_sent": counters.get("bytes_sent", 0),
             "bytes_received": counters.get("bytes_received", 0), "merged": counters.get("merged", 0),
             "rejected": counters.get("rejected", 0), "samples_per_s": done.samples_per_s, "round_s": done.round_s,
             "utilization": self.compute_s / (time.monotonic() - self.t_start), "compute_s": self.compute_s,
             "tokens": learner.step * self.tokens_per_step}
+        verdict = self._isolation(done.round, counters)
+        self.last["alone"] = verdict.alone
         network.local = {"state": "training", "round": done.round, "step": learner.step,
                          "loss": done.result.mean_loss, "eval_loss": self.eval_loss,
                          "samples_per_s": done.samples_per_s, "tau": update.header.tau,
-                         "utilization": round(self.last["utilization"], 4), "last_update_at": time.time()}
+                         "utilization": round(self.last["utilization"], 4), "last_update_at": time.time(),
+                         **({"alone": verdict.status()} if verdict.alone else {})}
         network.request_announce()
         self.out(round_line(self.last))
-        self.log.write("round", peer_id=learner.peer_id, **self.last)
+        vv = learner.replica.version_vector  # per sender, while small: tests and plots follow who holds whom
+        self.log.write("round", peer_id=learner.peer_id, **self.last, **({"vv": vv.to_dict()} if len(vv) <= 16 else {}))
+        if verdict.event is not None:
+            self.out(verdict.line())
+            self.log.write("isolation", peer_id=learner.peer_id, round=done.round, **verdict.to_dict())
         if self.status is not None:
             self.status.round_done(self.last)
         for sink in self.sinks:
             sink.write(self.last)
+
+    def _isolation(self, at_round: int, counters: dict) -> Any:
+        """Feed the isolation detector (peer/isolation.py) this round's view: the members' records, our vector,
+        the counters and the refusals by reason (from our last announced record: replaced whole)."""
+        network, replica = self.network, self.learner.replica
+        if self.isolation is None:
+            self.isolation = IsolationDetector(self.learner.peer_id)
+        presence = getattr(network, "presence", None)
+        rejected_by = (getattr(presence, "last_record", None) or {}).get("rejected_by") or {}
+        try:
+            return self.isolation.observe(at_round, time.monotonic(), network.peers, replica.version_vector,
+                                          counters, rejected_by, ignore=getattr(replica, "banned", ()))
+        except Exception:  # a diagnosis must never stop training
+            logger.exception("isolation check failed")
+            return Verdict(False, None, 0, 0.0, 0)
 
     def checkpoint(self, at_round: int) -> None:
         self.checkpoints.save(self.learner, round=at_round, why="periodic")

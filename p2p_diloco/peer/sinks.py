@@ -9,13 +9,16 @@ from typing import Any
 from p2p_diloco.config import ConfigError
 
 SCALARS = ("loss", "eval_loss", "utilization", "tau", "peers", "vv_total", "bytes_sent", "bytes_received",
-           "merged", "rejected", "samples_per_s", "round_s")
+           "merged", "rejected", "samples_per_s", "round_s", "alone")
+FLAGS = ("alone",)
+"""Booleans logged as 0/1 (alone: merged nothing while others publish, peer/isolation.py)."""
 
 
 def scalars(figures: Mapping[str, Any]) -> dict[str, float]:
-    """The round's numeric figures (None and non-numbers left out: eval_loss is None on most rounds)."""
-    return {k: float(figures[k]) for k in SCALARS
-            if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool)}
+    """The round's numeric figures (None and non-numbers left out: eval_loss is None on most rounds; FLAGS as
+    0/1)."""
+    return {k: float(figures[k]) for k in SCALARS if isinstance(figures.get(k), (int, float))
+            and (k in FLAGS or not isinstance(figures.get(k), bool))}
 
 
 class TensorBoardSink:

@@ -52,7 +52,13 @@ class PeerStatus:
                 "bytes_sent": counters.get("bytes_sent", 0), "bytes_received": counters.get("bytes_received", 0),
                 "merged": counters.get("merged", 0), "rejected": counters.get("rejected", 0),
                 "rejected_by": dict(network.presence.last_record.get("rejected_by") or {}),
-                "banned": len(network.learner.replica.banned)}
+                "banned": len(network.learner.replica.banned), "alone": self._alone()}
+
+    def _alone(self) -> str | None:
+        """Why this peer trains alone while others publish (peer/isolation.py), or None."""
+        detector = getattr(self.report, "isolation", None)
+        verdict = detector.verdict if detector is not None else None
+        return verdict.status() if verdict is not None else None
 
     def snapshot(self) -> dict[str, Any]:
         network = self.network

@@ -10,6 +10,8 @@ This peer (present when the observer is a peer; names without a `peer` label):
     p2p_diloco_bans_total                                           counter: senders banned
     p2p_diloco_round, _loss, _eval_loss, _utilization, _tau,
     p2p_diloco_peers_known, p2p_diloco_version_vector_total         gauges
+    p2p_diloco_alone                                                gauge: 1 while it merges nothing although
+                                                                    others publish (peer/isolation.py)
 Every peer of the run, from its signed record (label `peer`, the full PeerID):
     p2p_diloco_peer_round, _loss, _eval_loss, _samples_per_second, _utilization, _tau, _bytes_sent,
     _bytes_received, _version_vector_total, _record_age_seconds    gauges (a record's counters are a gauge here:
@@ -71,6 +73,8 @@ def swarm_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
             value = _number(own, key)
             if value is not None:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(PREFIX + "alone", "1 while this peer merges nothing although others publish "
+                                "(peer/isolation.py)", value=1.0 if own.get("alone") else 0.0)
     rows = list(snapshot.get("peers") or [])[:MAX_LABELLED_PEERS]
     for name, key, doc in _PEER_GAUGES:
         family = GaugeMetricFamily(PREFIX + "peer_" + name, doc + " (per peer, from its signed record)",

@@ -7,8 +7,10 @@ its records said it, sampled over time) and the observer's own round history (`l
 
     run_id, spec_hash, now          the run, its spec hash (None when unpublished), DHT time of the snapshot
     observer                        who serves it: kind (peer | bootstrap | status), peer_id, reachability, addrs
-    self                            the observer peer's own figures (None for a bootstrap or `status`)
-    peers                           one row per live record (`peer_row`), freshest replica first
+    self                            the observer peer's own figures (None for a bootstrap or `status`); its
+                                    `alone` says why it merges nothing while others publish, or is None
+    peers                           one row per live record (`peer_row`), freshest replica first; a row's
+                                    `alone` is that peer's own word that it is cut off (peer/isolation.py)
     agreement                       peers grouped by version-vector digest: equal digests, equal replicas
     vv_matrix                       holders x senders: the seq of each sender each holder has merged (from the
                                     records' `vv` field, present while a vector names at most 16 senders)
@@ -36,6 +38,8 @@ MAX_CURVE_POINTS = 2048
 """Points per peer's curve; older points are thinned out (every other one dropped) rather than cut."""
 MAX_LOCAL_ROUNDS = 4096
 MAX_MATRIX_PEERS = 32
+MAX_ALONE_CHARS = 400
+"""The `alone` field (peer/isolation.py: why a peer merges nothing while others publish) is cut to this."""
 
 
 def _optional(record: Mapping[str, Any], key: str) -> float | None:
@@ -88,6 +92,7 @@ def peer_row(peer_id: str, record: Mapping[str, Any], now: float) -> dict[str, A
         "reachability": reachability_of(maddrs[:16]), "vv_total": int(number(record, "version_vector_total")),
         "vv_digest": text(record, "vv_digest", limit=16), "seq": int(number(record, "seq")),
         "rejected": sum(rejected.values()), "banned": int(number(record, "banned")),
+        "alone": text(record, "alone", limit=MAX_ALONE_CHARS) or None,
     }
 
 

@@ -23,6 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 MAX_STR = 64  # a peer may send a megabyte-long "peer id"; the table should not grow with it
+MAX_ALONE = 300  # an `alone` reason (peer/isolation.py) shown under the table
+MAX_ALONE_LINES = 8
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_POINTS = 16
 STATE_STYLES = {"training": "green", "syncing": "cyan", "done": "blue", "left": "dim"}
@@ -223,9 +225,12 @@ def peers_table(snapshot: dict, width: int | None) -> RenderableType:
         if diverged:
             v.append(" ≠", style="bold red")  # visible without colour too (piped output, screen readers)
         pid = p.get("peer_id")
+        shown_state = safe_text(state, STATE_STYLES.get(state, "") if isinstance(state, str) else "", 16)
+        if isinstance(p.get("alone"), str) and p.get("alone"):
+            shown_state.append(" ALONE", style="bold red")  # merges nothing while others publish
         cells = {
             "peer": safe_text(short_id(p), "bold red" if diverged else ""),
-            "state": safe_text(state, STATE_STYLES.get(state, "") if isinstance(state, str) else "", 16),
+            "state": shown_state,
             "round": Text(fmt_int(p.get("round"))),
             "loss": Text(fmt_float(p.get("loss"))),
             "eval": Text(fmt_float(p.get("eval_loss"))),
@@ -240,7 +245,18 @@ def peers_table(snapshot: dict, width: int | None) -> RenderableType:
             "loss curve": Text(sparkline(curves.get(pid) if isinstance(pid, str) else None), style="cyan"),
         }
         table.add_row(*(cells[name] for name, _ in columns if name not in drop))
-    return table
+    alone = alone_lines(peers)
+    return Group(table, *alone) if alone else table
+
+
+def alone_lines(peers: list[dict]) -> list[Text]:
+    """One line per peer that says it trains alone (its own record's reason and fix)."""
+    lines = []
+    for p in peers:
+        why = p.get("alone")
+        if isinstance(why, str) and why and len(lines) < MAX_ALONE_LINES:
+            lines.append(Text(f"{short_id(p)} ALONE: ", style="bold red").append(safe_text(why, "", MAX_ALONE)))
+    return lines
 
 
 def self_line(me: dict) -> Text:
@@ -253,6 +269,9 @@ def self_line(me: dict) -> Text:
         ("out", fmt_bytes(me.get("bytes_sent"))), ("in", fmt_bytes(me.get("bytes_received"))),
     ]
     line.append("  ".join(f"{k} {v}" for k, v in parts))
+    why = me.get("alone")
+    if isinstance(why, str) and why:
+        line.append("\nALONE: ", style="bold red").append(safe_text(why, "", MAX_ALONE))
     return line
 
 
