@@ -98,6 +98,20 @@ class RateLimitConfig:
     probation_pulls: int = 1
     """Pull slots (of gossip.max_concurrent_pulls) shared by remotes that never gave us anything (at least 1, so a
     new honest volunteer is still pulled from); contributors may use every slot."""
+    measure_uplink: bool = True
+    """Measure this peer's upload rate from its own pull and snapshot responses (net/admission/meter.py) and
+    share min(uplink_bytes_per_s, measured) out; the gossip's fanout and serves follow it too."""
+    fair_share: bool = True
+    """No single remote takes more than its max-min fair share of the uplink over fair_share_window_s: at least
+    uplink / remotes served within the window, at least fair_share_floor_bytes_per_s, more when the others take
+    less (refused as "busy", counted as uplink_fair_share)."""
+    fair_share_window_s: float = 10.0
+    """The window over which a remote's fair share of the uplink is counted, in seconds."""
+    fair_share_floor_bytes_per_s: float = 128e3
+    """A remote may always take this much, however many share the uplink (keep it over min_stream_bytes_per_s)."""
+    reserve_charge: float = 3.0
+    """Bytes served again to a remote that had them from us already count this many times against its fair
+    share (a remote pulling everything in a loop gets a third of its share)."""
     probation_timeout_s: float = 3.0
     """A pull from a remote that never gave us anything must bring each part of its answer within this many
     seconds (at most gossip.rpc_timeout_s), so a remote that stalls holds its slot briefly."""
@@ -113,6 +127,8 @@ class RateLimitConfig:
             raise ConfigError("min_stream_bytes_per_s, penalty_s and uplink_bytes_per_s must be >= 0")
         if not 0 < self.newcomer_share < 1 or self.unchoked_contributors < 0:
             raise ConfigError("newcomer_share must be in (0, 1) and unchoked_contributors >= 0")
+        if not (self.fair_share_window_s > 0 and self.fair_share_floor_bytes_per_s >= 0 and self.reserve_charge >= 1):
+            raise ConfigError("fair_share_window_s must be > 0, fair_share_floor_bytes_per_s >= 0, reserve_charge >= 1")
         if self.probation_pulls < 1 or not self.probation_timeout_s > 0:
             raise ConfigError("probation_pulls must be >= 1 and probation_timeout_s > 0")
         return self

@@ -38,4 +38,18 @@ def collect_counters(intake: Any, services: Iterable[Any], server: Any, guard: A
     out["bytes_sent"] += out["snapshot_bytes_sent"]  # everything we uploaded: updates and snapshots
     if guard is not None:
         out["refused"] = sum(guard.rejections.totals.values())
+        out.update(uplink_counters(guard))
     return out
+
+
+def uplink_counters(guard: Any) -> dict[str, int]:
+    """Bandwidth awareness (net/admission/meter.py): the measured upload rate (`uplink_bps`, bytes/s; 0 before
+    the first measurement), the budget the uplink's shares split (`uplink_budget_bps`), what the meter timed
+    (`uplink_metered_bytes`, `uplink_samples`) and the fair-share refusals (`uplink_fair_share`)."""
+    uplink = getattr(guard, "uplink", None)
+    meter = getattr(uplink, "meter", None)
+    if meter is None:
+        return {}
+    return {"uplink_bps": int(uplink.rate_bps() or 0), "uplink_budget_bps": int(uplink.budget_bps()),
+            "uplink_metered_bytes": int(meter.total_bytes), "uplink_samples": int(meter.samples),
+            "uplink_fair_share": int(guard.rejections.totals.get("uplink_fair_share", 0))}

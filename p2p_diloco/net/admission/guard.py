@@ -3,9 +3,10 @@ we make, and the `Rejections` it counts (what `status` shows, by reason and by r
 
 Serving (the hooks `rpc.serve` calls, in this order, before reading a request):
     access (allow list, run-secret membership) -> penalty -> open streams -> request rate -> bytes in/out
-    -> for pulls and snapshots, the uplink's share (net/admission/uplink.py)
+    -> for pulls and snapshots, the uplink's share and the remote's fair share of it (net/admission/uplink.py)
 A refusal goes back to the caller as the RPC's error ("not allowed in this run: ...", "rate limited: ...",
-"busy: ..."). Every byte sent is charged to the remote's bytes-out bucket and to the uplink's.
+"busy: ..."). Every byte sent is charged to the remote's bytes-out bucket and to the uplink's; the bulk
+responses are timed (`sending`) to measure the uplink (`uplink_rate_bps`, net/admission/meter.py).
 
 Calling: `may_pull_from` (not penalized, bytes-in bucket not in debt), `charge_in` for what we read, and
 `penalize` when a remote sent us an invalid update.
@@ -63,6 +64,8 @@ _RPC_REASONS = {"rejected_oversize": "oversize_request", "rejected_malformed": "
                 "timeouts": "timeout", "rejected_busy": "busy"}
 _UPLINK_KINDS = ("pull", "snapshot")
 """Requests whose responses are bulk and go through the uplink's shares."""
+_METERED = ("pull", "chunk")
+"""Handlers whose responses the uplink meter measures (bulk; a manifest's time is mostly taking the snapshot)."""
 
 
 class AccessDenied(NodeError):
@@ -242,6 +245,25 @@ class PeerGuard:
         now = time.monotonic()
         self._bucket(self._remote(caller, now), "bytes_out", now).charge(nbytes, now)
         self.uplink.charge(caller, nbytes, now)
+
+    def sending(self, caller: str, handler: str) -> Callable[[int], None] | None:
+        """A bulk response (a pull's or a snapshot chunk's) starts sending: the uplink meter counts it until
+        the returned `end(bytes_written)` (the RPC layer calls it at the caller's close); None for others."""
+        if handler.rsplit("/", 1)[-1] not in _METERED:
+            return None
+        meter = self.uplink.meter
+        meter.begin(time.monotonic())
+        return lambda nbytes: meter.end(nbytes, time.monotonic())
+
+    @property
+    def uplink_rate_bps(self) -> float | None:
+        """This peer's measured upload rate in bytes/s (net/admission/meter.py), None before it is known."""
+        return self.uplink.rate_bps()
+
+    @property
+    def uplink_budget_bps(self) -> float | None:
+        """What this peer may upload: min(uplink_bytes_per_s, measured), None if neither is known."""
+        return self.uplink.budget_bps() or None
 
     def uplink_refusal(self, caller: str, now: float | None = None) -> str | None:
         """Why `caller` may not be served bulk data now (the uplink's share it draws from is spent; counted),

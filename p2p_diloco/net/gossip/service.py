@@ -65,6 +65,12 @@ same remote before costs it more). A pull request is admitted only within the up
 from (net/admission/uplink.py: contributors by score, all others together one share), and the response asks
 again before each update after the first: when the share is spent it ends early, a short batch (counted).
 
+Bandwidth awareness (issue 12): the guard measures our uplink (net/admission/meter.py); an update served again
+to a remote that had it from us counts against its fair share once more (`served_again`); `fanout()` and
+`max_serves()` shrink to the streams the measured rate feeds at `stream_bytes_per_s` (at least 2; at most as
+configured) and grow back with it; a pull over `max_serves()` is refused as "busy" (`serves_busy`). Sending
+never blocks the compute thread: `publish` returns once the announces are scheduled.
+
 Threading: everything here runs on one asyncio loop, which adds to and serves from the `UpdateStore`. Only
 `Intake.receive` runs in worker threads (the replica and the store have their own locks: the intake looks up
 and purges banned senders in the store). The compute thread hands its own updates over with
@@ -80,6 +86,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
+from p2p_diloco.net.admission.meter import adapted
 from p2p_diloco.net.gossip.digests import differing_windows
 from p2p_diloco.net.gossip.messages import (
     MAX_VECTOR_BYTES,
@@ -102,15 +109,17 @@ __all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # conf
 logger = logging.getLogger(__name__)
 
 MAX_ANNOUNCE_TASKS = 64
+"""Announces in flight, at most; more are dropped and counted."""
 NEWCOMER_PICK_EVERY = 4
 """With contributors enough to fill an announce or anti-entropy pick, one pick in this many includes a peer we
 have no record of (a new honest peer is reached; a crowd of records gets a quarter of one pick)."""
-"""Announces in flight, at most; more are dropped and counted."""
+MIN_FANOUT = MIN_SERVES = 2  # however slow the uplink, announce to and serve at least this many at once
 MAX_CONCURRENT_ANNOUNCES_SERVED = 64
 """Incoming announces handled at once (each is tiny; more are refused as busy)."""
 _STATS = ("published", "bytes_sent", "bytes_received", "announces_sent", "announces_received", "announce_failures",
           "announces_dropped", "pulls", "pull_failures", "pulls_served", "pulls_dropped", "updates_received",
-          "updates_new", "bad_requests", "pulls_skipped", "evidence_found", "id_mismatches", "serves_cut")
+          "updates_new", "bad_requests", "pulls_skipped", "evidence_found", "id_mismatches", "serves_cut",
+          "serves_busy")
 
 
 class Gossip:
@@ -146,6 +155,7 @@ class Gossip:
         self._anti_entropy: asyncio.Task | None = None
         self._announces: set[asyncio.Task] = set()
         self._known: OrderedDict[str, VersionVector] = OrderedDict()  # remote -> the last vector it sent us
+        self._serving = 0  # pull responses being sent now
 
     @property
     def _running(self) -> bool:
@@ -229,6 +239,9 @@ class Gossip:
         self.stats["pulls_served"] += 1
         self.stats["bytes_received"] += len(request)
         parsed = self._decode(request, pull=True, caller=caller)
+        if self._serving >= self.max_serves():  # counted; the caller backs off and retries
+            self.stats["serves_busy"] += 1
+            raise rpc.RpcError(f"busy: serving {self._serving} pulls, all this peer's measured uplink feeds; retry")
         remote, limit = parsed.vv, min(parsed.limit, self.config.pull_max_updates)
         self._consider(caller, remote)  # the requester may hold what we lack: pull back
         banned = self.intake.replica.banned  # never spread what we refuse ourselves
@@ -260,15 +273,31 @@ class Gossip:
             raise
 
     async def _encoded(self, updates: list, caller: str) -> AsyncIterator[bytes]:
-        for i, update in enumerate(updates):
-            if i and self.guard is not None and self.guard.uplink_refusal(caller):
-                self.stats["serves_cut"] += 1  # the caller's uplink share is spent: a short batch
-                return
-            data = encode_update(update)
-            self.stats["bytes_sent"] += len(data)
-            if self.guard is not None:
-                self.guard.ledger.served_update(caller, update.sender, update.seq, len(data))
-            yield data
+        self._serving += 1
+        try:
+            for i, update in enumerate(updates):
+                if i and self.guard is not None and self.guard.uplink_refusal(caller):
+                    self.stats["serves_cut"] += 1  # the caller's uplink share is spent: a short batch
+                    return
+                data = encode_update(update)
+                self.stats["bytes_sent"] += len(data)
+                if self.guard is not None and self.guard.ledger.served_update(caller, update.sender, update.seq,
+                                                                              len(data)):
+                    self.guard.uplink.served_again(caller, len(data))  # it had it from us: counts again
+                yield data
+        finally:
+            self._serving -= 1
+
+    def uplink_bps(self) -> float | None:
+        """The guard's uplink: min(its budget, measured) in bytes/s, None without a guard or either known."""
+        return self.guard.uplink_budget_bps if self.guard is not None and self.config.stream_bytes_per_s else None
+
+    def fanout(self) -> int:  # peers to announce to, and below pulls served at once, for the measured uplink
+        return adapted(self.config.fanout, self.uplink_bps(), self.config.stream_bytes_per_s, MIN_FANOUT)
+
+    def max_serves(self) -> int:
+        return adapted(self.config.max_concurrent_serves, self.uplink_bps(), self.config.stream_bytes_per_s,
+                       MIN_SERVES)
 
     # ---- what remotes hold -------------------------------------------------------------------------------
 
@@ -296,7 +325,7 @@ class Gossip:
         """Send our vector to `fanout` random peers that may lack part of it, each in its own bounded task."""
         ours = self._vector()
         satisfied = [peer for peer, theirs in self._known.items() if theirs.dominates(ours)]
-        targets = self._pick(self.config.fanout, (*exclude, *satisfied))
+        targets = self._pick(self.fanout(), (*exclude, *satisfied))
         if not targets:
             return
         request = encode_request(ours)

@@ -11,7 +11,8 @@ pace), so a joiner that asks for chunk after chunk cannot take the donor's uplin
 request is also admitted only within the uplink's share its caller draws from (net/admission/uplink.py): a
 joiner has given nothing yet, so all joiners together share the newcomers' part ("busy: ..." when spent). What
 is served goes into the guard's ledger: a chunk index the same remote had from us before (of any snapshot:
-a remote fetching snapshots in a loop) is a re-serve and costs it more.
+a remote fetching snapshots in a loop) is a re-serve and costs it more, in the ledger and against its fair
+share of the uplink (`reserve_charge`). Chunk responses are timed by the guard to measure the uplink.
 """
 
 from __future__ import annotations
@@ -154,8 +155,8 @@ class SnapshotServer:
         chunk = self._read_chunk(snapshot, index)
         self.stats["chunks_served"] += 1
         self.stats["bytes_sent"] += len(chunk)
-        if self.guard is not None:
-            self.guard.ledger.served_chunk(caller, index, len(chunk))
+        if self.guard is not None and self.guard.ledger.served_chunk(caller, index, len(chunk)):
+            self.guard.uplink.served_again(caller, len(chunk))  # it had this chunk from us: its fair share pays more
         return chunk
 
     # ---- seams (overridden by fault-injecting tests) --------------------------------------------------------
