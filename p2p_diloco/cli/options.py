@@ -34,7 +34,7 @@ JOIN_SHOWN = {
 # The flat names `join` had before its config was one nested JoinConfig (scripts and benchmarks pass them).
 _JOIN_ALIAS_PREFIX = {"gossip": "gossip-", "statesync": "sync-", "admission.rate": "rate-"}
 _CHECKPOINT_ALIASES = {"every": "checkpoint-every", "dir": "checkpoint-dir", "keep": "keep-checkpoints",
-                       "catch_up_stall_s": "catch-up-stall-s"}
+                       "catch_up_stall_s": "catch-up-stall-s", "resync_window_s": "resync-window-s"}
 
 
 def _join_alias(path: tuple[str, ...]) -> str:

@@ -15,7 +15,8 @@ Process model (ARCHITECTURE.md "Threads"):
 Lifecycle: start the node and check the run's spec (the first peer publishes it) -> restore the newest good
 checkpoint if this peer has one, else state sync from the freshest live peers if any has merged updates ->
 serve and announce -> after a restore, publish our journaled updates again and catch up (peer/resume.py) ->
-rounds (a checkpoint every `checkpoint.every`; printed and logged by peer/report.py) -> linger until the swarm
+rounds (a checkpoint every `checkpoint.every`; printed and logged by peer/report.py; between two rounds, a
+re-sync of state when pulls can no longer catch the replica up: peer/resync.py) -> linger until the swarm
 is quiet (peer/linger.py) -> leave (a last record says "left"), write a checkpoint and the final state, shut the
 node down. A stop request (Ctrl-C, SIGTERM; peer/signals.py) is checked before every inner step: the unfinished
 phase is dropped, or finished if it ends within `finish_phase_within_s`, and the peer leaves as above within
@@ -202,27 +203,45 @@ class Peer:
 
     def _train(self, loop: Any) -> None:
         from p2p_diloco.peer.exchange import SwarmExchange
-        from p2p_diloco.train.loop import Schedule, rounds
+        from p2p_diloco.train.loop import RoundDone, Schedule, rounds
 
         cfg = self.config.training
         self.exchange = SwarmExchange(self.network, loop.loop, self.samples_per_update)
         schedule = Schedule(rounds=cfg.rounds, eval_every=cfg.eval_every,
                             checkpoint_every=self.config.checkpoint.every if self.checkpoints else 0,
-                            finish_phase_within_s=cfg.finish_phase_within_s)
+                            finish_phase_within_s=cfg.finish_phase_within_s, max_stretch=cfg.max_stretch,
+                            stretch_backlog=cfg.stretch_backlog)
         self.report.training_begins(self.round)
+        resync = self._open_resync()
         ticks = rounds(self.learner, self.exchange, schedule, self.report, start_round=self.round, stop=self.stop,
                        finish=self.finish)
         try:
             while True:  # `drive`, with each tick shown on the progress bars
                 try:
-                    self.progress.tick(next(ticks))
+                    tick = next(ticks)
                 except StopIteration as end:
                     ended = end.value
                     break
+                self.progress.tick(tick)
+                if resync is not None and isinstance(tick, RoundDone):  # between rounds: the next phase begins
+                    resync.between_rounds(loop, self.stop, tick.round_s)  # at the next `next(ticks)`
+                elif resync is not None:
+                    resync.observe()  # never waits on the network: inside an inner phase
         finally:
             self.round = self.report.round  # also after an error: the exit checkpoint names the rounds done
         if ended == "finish":
             self.out(f"finishing after round {self.round} (SIGUSR1)")
+
+    def _open_resync(self) -> Any:
+        """The watch that re-syncs state when pulls cannot catch us up (peer/resync.py); None if turned off."""
+        from p2p_diloco.peer.resync import Resync, window_for
+
+        window_s = self.config.checkpoint.resync_window_s
+        if window_s < 0:
+            return None
+        journal = self.checkpoints.state.journaled if self.checkpoints is not None else None
+        return Resync(self.network, self.learner, window_s=window_s or window_for(self.config.gossip.anti_entropy_s),
+                      fixed=window_s > 0, journal=journal, out=self.out, log=self.log)
 
     def _linger(self) -> None:
         """After the last round (not after a stop): keep serving until every live peer holds our replica."""
