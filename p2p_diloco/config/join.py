@@ -50,6 +50,13 @@ class TrainingConfig:
     """After the last round, keep serving until every live peer holds our replica (quiet) or this many seconds."""
     finish_phase_within_s: float = 2.0
     """On Ctrl-C/SIGTERM, finish the inner phase if it ends within this many seconds, else drop it."""
+    max_stretch: int = 4
+    """While this peer's own updates queue (a slow uplink: at least stretch_backlog of them held by no live peer
+    yet), go on training the inner phase for H more steps instead of publishing, up to this many times H in one
+    phase; the one update then covers them all and what is sent stays fresh (1: never stretch)."""
+    stretch_backlog: int = 3
+    """Own updates held by no live peer yet at which a phase is stretched (see max_stretch). Not 1 or 2: the
+    remotes' vectors we judge by can be a phase old, so a healthy link can read 1-2 (a slow one reads dozens)."""
 
     def validate(self) -> TrainingConfig:
         _require(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
@@ -63,6 +70,8 @@ class TrainingConfig:
                  f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
         _require(self.micro_batch >= 0, f"micro_batch must be >= 0, got {self.micro_batch}")
         _require(self.gpus >= 0, f"gpus must be >= 0, got {self.gpus}")
+        _require(1 <= self.max_stretch <= 64, f"max_stretch must be in [1, 64], got {self.max_stretch}")
+        _require(self.stretch_backlog >= 1, f"stretch_backlog must be >= 1, got {self.stretch_backlog}")
         return self
 
 
@@ -82,11 +91,18 @@ class CheckpointConfig:
     catch_up_stall_s: float = 20.0
     """After a restart, pull what peers merged since the checkpoint; if nothing new merges for this many
     seconds, the gap is older than peers retain: state sync instead (training starts after 10x this anyway)."""
+    resync_window_s: float = 0.0
+    """While training, a peer behind the others on a sender whose updates pulls do not bring for this long
+    (twice as long without proof that pulls cannot help: a full buffer, a gap wider than max_hole_span)
+    re-syncs its state from a peer (peer/resync.py). 0: 6 anti-entropy periods or 3 rounds, at least 30 s;
+    -1: never."""
 
     def validate(self) -> CheckpointConfig:
         _require(self.every >= 0 and self.keep >= 1,
                  f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every} and {self.keep}")
         _require(self.catch_up_stall_s > 0, f"catch_up_stall_s must be > 0, got {self.catch_up_stall_s}")
+        _require(self.resync_window_s >= 0 or self.resync_window_s == -1,
+                 f"resync_window_s must be >= 0 or -1, got {self.resync_window_s}")
         return self
 
 

@@ -1,7 +1,8 @@
 """`SwarmExchange`: the `Exchange` (train/exchange.py) of one peer on the real swarm, used from the compute thread.
 
 `publish` hands the update to the network loop (`Gossip.publish` runs there) and returns at once;
-`swarm_view` reads the live peer list the loop keeps fresh. Neither waits on the network (invariant 4).
+`swarm_view` reads the live peer list the loop keeps fresh; `backlog` reads the last vector each remote sent us.
+None waits on the network (invariant 4).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class SwarmExchange:
         self.sent_at_publish = 0  # our bytes_sent counter when the last update was handed over
         self.last_nbytes = 0  # and that update's size
         self._last_view_at: float | None = None
+        self._backlog = 0  # the last backlog read (kept if a read ever fails)
 
     def publish(self, update: Any) -> None:
         import asyncio
@@ -58,6 +60,33 @@ class SwarmExchange:
         num_peers, _ = swarm_samples_per_round(self.network.peers, node.peer_id if node else "",
                                                self.samples_per_update)
         return SwarmView(num_peers=num_peers, samples_per_round=self.samples_per_update * num_peers)
+
+    def backlog(self) -> int:
+        """Our own published updates that no live peer is known to hold yet: our last seq minus the MAX over
+        live remotes of their vector's entry for us (`Gossip.known_vectors`, the last vector each sent us in an
+        announce or a pull request). The max, not the median: once one peer holds an update, gossip relays it
+        from there, so what no one holds is exactly what still has to leave through our own uplink, the queue
+        a slow uplink grows. It is also the safe side against lies: a remote (or a crowd of fresh identities)
+        that claims to hold little of ours cannot raise it while one honest live peer reports what it holds,
+        and one that claims too much only turns stretching off, today's behaviour. A stale vector errs high by
+        what merged since it was sent; the freshest remote's vector wins the max. No known vector: 0.
+
+        A local read, never a wait (invariant 4): `known_vectors` copies the gossip's table in one C-level dict
+        copy under the GIL (str keys, immutable `VersionVector`s), and `peers` is replaced whole. Should the
+        copy ever see the table change under it, the last value stands."""
+        network = self.network
+        gossip, node, learner = network.gossip, network.node, getattr(network, "learner", None)
+        if gossip is None or node is None or learner is None:
+            return 0
+        me = node.peer_id
+        try:
+            known = gossip.known_vectors()
+        except RuntimeError:  # "changed size during iteration": keep the last answer
+            return self._backlog
+        live = network.peers
+        held = [vector.get(me) for peer, vector in known.items() if peer != me and peer in live]
+        self._backlog = max(0, learner.last_seq - max(held)) if held else 0
+        return self._backlog
 
     def see_last_update_out(self, within_s: float) -> None:
         """After a stop request: give peers a moment (`within_s`, finish_phase_within_s) to pull our last

@@ -72,11 +72,16 @@ class MemoryNetwork:
 class MemoryExchange:
     """The `Exchange` of one peer on a `MemoryNetwork`: publish = full dissemination of the encoded update."""
 
-    def __init__(self, network: MemoryNetwork, peer_id: str, view: Callable[[], SwarmView]):
-        self.network, self.peer_id, self._view = network, peer_id, view
+    def __init__(self, network: MemoryNetwork, peer_id: str, view: Callable[[], SwarmView],
+                 backlog: Callable[[], int] | None = None):
+        self.network, self.peer_id, self._view, self._backlog = network, peer_id, view, backlog
 
     def publish(self, update: OuterUpdate) -> None:
         self.network.broadcast(self.peer_id, encode_update(update))
 
     def swarm_view(self) -> SwarmView:
         return self._view()
+
+    def backlog(self) -> int:
+        """Our updates no other peer holds yet, as the simulator measures it (`backlog`); 0 without one."""
+        return self._backlog() if self._backlog is not None else 0

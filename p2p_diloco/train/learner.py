@@ -94,6 +94,7 @@ class Phase:
     compute_s: float = 0.0
     rebases: int = 0
     swarm_rounds: float = 0.0  # `swarm_rounds` of the replica's vector when the phase began (the lr clock's base)
+    target_steps: int = 0  # the phase's length: H, or k*H once the round loop stretched it (train/loop.py)
 
     def result(self) -> InnerResult:
         return InnerResult(steps=self.steps_done, samples=self.samples,
@@ -145,6 +146,7 @@ class Learner:
         self.sampler = make_sampler(corpus, spec, self.peer_id, shard=shard, num_shards=num_shards)
         self.step = 0  # cumulative inner steps: the schedule's clock and the data position
         self.last_seq = 0  # the highest seq this identity has signed (in this run, across restarts)
+        self.round_weight = 0.0  # one round's share of the swarm's samples in our last update: `may_stretch`
         # Called with each signed update before it can be seen (merged into the replica, which the snapshot
         # server serves, or published): the checkpoint journal. None: no restart support.
         self.persist_update: Callable[[OuterUpdate], None] | None = None
@@ -158,17 +160,19 @@ class Learner:
         load_flat_params(self.model, theta)
         self._params_changed = True
         # The lr clock's base once per phase, not per inner step: it walks every sender the vector holds.
-        return Phase(base=theta, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv))
+        return Phase(base=theta, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv),
+                     target_steps=self.spec.inner.inner_steps)
 
     def run_inner(self, phase: Phase, steps: int | None = None) -> InnerResult:
         """Run `steps` more inner steps (default: the rest of the phase). Between steps, take the updates the
         replica merged meanwhile (never waiting for any). The AdamW state carries over between phases (DiLoCo)."""
         cfg = self.spec.inner
-        todo = cfg.inner_steps - phase.steps_done if steps is None else steps
+        length = phase.target_steps or cfg.inner_steps  # a stretched phase rebases over its whole length
+        todo = length - phase.steps_done if steps is None else steps
         t0 = time.perf_counter()
         self.model.train()
         for _ in range(todo):
-            if phase.steps_done < cfg.rebase_window * cfg.inner_steps \
+            if phase.steps_done < cfg.rebase_window * length \
                     and self.replica.version_vector != phase.version_vector:
                 self._rebase(phase)
             x, y = self.sampler.batch(self.step)  # CPU batches; the unit's rows of it go to the device
@@ -206,13 +210,26 @@ class Learner:
         phase.base, phase.version_vector = theta, vv
         phase.rebases += 1
 
+    def may_stretch(self, phase: Phase, more: int) -> bool:
+        """Whether the phase may go on for `more` steps: its update will weigh (steps / H) rounds' share, and
+        receivers clamp a weight to `max_weight`, so a stretch that would pass it (a small swarm: with N peers
+        one round's share is about 1/N) would under-count our work. Judged by our last update's share of one round
+        (none before our first update, when no backlog can exist yet)."""
+        rounds = (phase.steps_done + more) / self.spec.inner.inner_steps
+        return rounds * self.round_weight <= self.spec.outer.max_weight
+
     def finish_phase(self, phase: Phase, result: InnerResult, swarm: SwarmView) -> OuterUpdate:
         """Pseudo-gradient -> outer update, signed, merged into our own replica; the caller publishes it."""
         phi = flat_params(self.model).cpu()  # the pseudo-gradient and all after it: CPU, float32
         delta = pseudo_gradient(phase.base, phi)
-        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec)
+        stretch = max(1, result.steps // self.spec.inner.inner_steps)
+        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch)
         tau = self.replica.version_vector.staleness(phase.version_vector)
+        # A phase stretched to k*H steps (train/loop.py) is k rounds: it signs all its samples and weighs k rounds'
+        # share; its payload is the mean of the k rounds' Nesterov outputs (train/outer.py `outer_update`).
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
+        self.round_weight = weight if stretch == 1 else update_weight(
+            result.samples // stretch, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
         own_merged = self.replica.version_vector.get(self.peer_id)
         update = make_update(
             run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id,
@@ -231,7 +248,7 @@ class Learner:
         own_gap = update.seq > min(own_merged, self.replica.version_vector.get(self.peer_id)) + 1
         if outcome is not MergeOutcome.MERGED and not (outcome is MergeOutcome.BUFFERED and own_gap):
             raise RuntimeError(f"own update not merged: {outcome}")
-        self.history.append({"step": self.step, "seq": update.seq, "tau": tau, "weight": weight,
+        self.history.append({"step": self.step, "seq": update.seq, "tau": tau, "weight": weight, "steps": result.steps,
                              "loss": result.mean_loss, "compute_s": result.compute_s, "rebases": phase.rebases})
         return update
 
@@ -290,14 +307,18 @@ class Learner:
         """After loading a checkpoint or a snapshot: offer our own signed updates (from the journal) that the
         replica lacks, in seq order, and account for the rounds published after the loaded sender state.
 
-        Returns that number of rounds, k: for them m, e are lost (`OuterState.skip_rounds`) and the data
-        position moves past the k * H batches they trained on. Idempotent: a second call (after a state sync
-        that followed the checkpoint) counts nothing twice, and the replica merges nothing twice.
+        Returns that number of updates (rounds of the loop): for them m, e are lost (`OuterState.skip_rounds`,
+        k outer rounds for an update of a phase stretched to k*H steps) and the data position moves past the
+        batches they trained on (their samples: H batches each, k*H if stretched). Idempotent: a second call
+        (after a state sync that followed the checkpoint) counts nothing twice, and the replica merges nothing
+        twice.
         """
-        rounds = 0
+        rounds = steps = 0
+        H, batch = self.spec.inner.inner_steps, self.spec.data.batch_size
         for update in sorted((u for u in updates if u.sender == self.peer_id), key=lambda u: u.seq):
             if update.seq > self.last_seq:
                 rounds += 1
+                steps += max(H, update.header.samples // batch)  # a stretched phase trained k*H batches
                 self.last_seq = update.seq
             outcome, _ = self.replica.offer(update)  # MERGED, or DUPLICATE when V already has it
             if outcome not in (MergeOutcome.MERGED, MergeOutcome.DUPLICATE, MergeOutcome.BUFFERED):
@@ -305,8 +326,8 @@ class Learner:
         if self.replica.version_vector.get(self.peer_id) < self.last_seq:
             logger.warning("own updates missing from the replica up to seq=%d (merged up to %d): waiting for "
                            "peers to send them", self.last_seq, self.replica.version_vector.get(self.peer_id))
-        self.outer_state.skip_rounds(rounds, self.spec.outer.momentum)
-        self.step += rounds * self.spec.inner.inner_steps
+        self.outer_state.skip_rounds(steps // H, self.spec.outer.momentum)  # a stretched update: k rounds
+        self.step += steps
         return rounds
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

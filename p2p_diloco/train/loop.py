@@ -3,6 +3,7 @@
     for each round, until `schedule.rounds` are done, a finish request, or a stop request:
         begin phase        phi <- snapshot of the replica
         H inner steps      one at a time; between steps phi takes what the replica merged meanwhile
+        stretch?           if our own published updates back up (`exchange.backlog()`): H more steps, same phase
         finish phase       pseudo-gradient, outer step, compress, sign, merge into our own replica
         publish            `exchange.publish(update)`: returns at once, the network spreads it
         evaluate           every `schedule.eval_every` rounds
@@ -18,10 +19,22 @@ simulated moment) and the loop only reads the replica.
 that every caller runs this same loop at its own pace: the real peer drives it to the end (`drive`), the tests
 for a few rounds (`run_rounds`), and the simulator (sim/swarm.py) one step at a time on its simulated clock,
 so that remote updates land between the inner steps they would fall between on a real network.
+
+**Stretching** (issue 12, a slow uplink sends less). At the end of H steps the loop reads `exchange.backlog()`:
+how many of our own published updates no live peer is known to hold yet (a plain local read). If it is at
+least `schedule.stretch_backlog`, the phase goes on for H more steps (yielding `PhaseStretched`), at most
+`schedule.max_stretch` times H in all, and then publishes one update that covers them: a slow uplink sends
+one update per k*H steps instead of queueing k of them, so what it sends is fresh. Such an update stands for k
+rounds: its signed `samples` are all k*H steps' and its `weight` k rounds' share (`update_weight`, as for any
+update), and its payload is the mean of the k Nesterov outputs of the rounds it replaces (the sender's momentum
+runs k rounds on delta/k: train/outer.py `outer_update`), so theta moves as k updates would have, and the
+payload stays inside the bound on one round's honest update. The learner refuses a stretch whose weight the
+receivers would clamp (`Learner.may_stretch`: a swarm smaller than the stretch).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -33,6 +46,9 @@ if TYPE_CHECKING:  # light at import time (the peer process imports this before 
     from p2p_diloco.train.inner import InnerResult
     from p2p_diloco.train.learner import Learner, Phase, SwarmView
     from p2p_diloco.wire.envelope import OuterUpdate
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,10 @@ class Schedule:
     """Checkpoint every this many rounds (0: never)."""
     finish_phase_within_s: float = 0.0
     """On a stop request, finish the inner phase if it ends within this many seconds, else drop it."""
+    max_stretch: int = 4
+    """A phase is stretched to at most this many times H steps while our own updates back up (1: never)."""
+    stretch_backlog: int = 3
+    """Stretch when at least this many of our published updates are held by no live peer yet."""
 
 
 class Hooks:
@@ -55,6 +75,10 @@ class Hooks:
 
     def admit(self) -> bool:
         """Before each phase begins: may it? (False ends the loop; the simulator charges its budget here.)"""
+        return True
+
+    def admit_stretch(self) -> bool:
+        """Before a phase is stretched by H more steps: may it? (The simulator charges its budget here.)"""
         return True
 
     def evaluate(self, at_round: int) -> float | None:
@@ -86,6 +110,14 @@ class StepDone:
 
 
 @dataclass
+class PhaseStretched:
+    """The phase goes on for H more steps (our own updates back up): `phase.target_steps` is its new length."""
+
+    phase: Phase
+    backlog: int
+
+
+@dataclass
 class RoundDone:
     """A round is published: its update, the inner phase's result, the swarm it was weighted for."""
 
@@ -96,9 +128,10 @@ class RoundDone:
     round_s: float
     samples_per_s: float
     eval_loss: float | None  # evaluated after this round, else None
+    stretch: int = 1  # the phase ran stretch * H inner steps (1: not stretched)
 
 
-Tick = PhaseBegun | StepDone | RoundDone  # (what `rounds` yields)
+Tick = PhaseBegun | StepDone | PhaseStretched | RoundDone  # (what `rounds` yields)
 
 
 def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hooks | None = None, *,
@@ -125,16 +158,25 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
         yield PhaseBegun(phase)
         t0 = time.monotonic()
         finish_anyway: bool | None = None
-        while phase.steps_done < H:
-            # A stop request is seen within one step: drop the phase, or finish it if it ends soon enough.
-            if stop.is_set() and finish_anyway is None:
-                finish_anyway = _finish_anyway(phase, H, schedule.finish_phase_within_s, hooks.say)
-                if not finish_anyway:
-                    return "stop"
-            # Merge what arrived: remote updates merge into the replica on the exchange's side; before each
-            # step `run_inner` rebases phi onto what merged since the last step (Learner._rebase).
-            learner.run_inner(phase, 1)
-            yield StepDone(phase)
+        while True:
+            while phase.steps_done < phase.target_steps:
+                # A stop request is seen within one step: drop the phase, or finish it if it ends soon enough.
+                if stop.is_set() and finish_anyway is None:
+                    finish_anyway = _finish_anyway(phase, phase.target_steps, schedule.finish_phase_within_s,
+                                                   hooks.say)
+                    if not finish_anyway:
+                        return "stop"
+                # Merge what arrived: remote updates merge into the replica on the exchange's side; before each
+                # step `run_inner` rebases phi onto what merged since the last step (Learner._rebase).
+                learner.run_inner(phase, 1)
+                yield StepDone(phase)
+            backlog = _stretch_backlog(learner, exchange, schedule, phase, H, stop.is_set() or finish.is_set())
+            if backlog is None or not hooks.admit_stretch():
+                break
+            phase.target_steps += H
+            logger.debug("phase stretched to %d steps: %d own updates not held by any live peer yet",
+                         phase.target_steps, backlog)
+            yield PhaseStretched(phase, backlog)
         result = phase.result()
         view = exchange.swarm_view()
         update = learner.finish_phase(phase, result, view)  # pseudo-gradient, outer step, encode, sign, merge
@@ -144,12 +186,27 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
         evaluated = schedule.eval_every and round_ % schedule.eval_every == 0
         eval_loss = hooks.evaluate(round_) if evaluated else None
         done = RoundDone(round=round_, update=update, result=result, view=view, round_s=round_s,
-                         samples_per_s=result.samples / max(round_s, 1e-9), eval_loss=eval_loss)
+                         samples_per_s=result.samples / max(round_s, 1e-9), eval_loss=eval_loss,
+                         stretch=phase.target_steps // H)
         hooks.round_done(done)
         if schedule.checkpoint_every and round_ % schedule.checkpoint_every == 0:
             hooks.checkpoint(round_)
         yield done
     return "stop" if stop.is_set() else "rounds"
+
+
+def _stretch_backlog(learner: Learner, exchange: Exchange, schedule: Schedule, phase: Phase, H: int,
+                     stopping: bool) -> int | None:
+    """At the end of the phase's steps: the backlog that stretches it by H more steps, or None to finish it now.
+    Not while stopping or finishing, not past `schedule.max_stretch` * H, not past the weight's clamp. The
+    backlog is a plain read (an exchange without `backlog` has none): the loop never waits on the network."""
+    if stopping or phase.target_steps + H > schedule.max_stretch * H:
+        return None
+    read = getattr(exchange, "backlog", None)
+    backlog = read() if read is not None else 0
+    if backlog < max(1, schedule.stretch_backlog) or not learner.may_stretch(phase, H):
+        return None
+    return backlog
 
 
 def _finish_anyway(phase: Phase, steps: int, within_s: float, say: Callable[[str], None]) -> bool:

@@ -64,20 +64,36 @@ class OuterState:
         self.error.zero_()
 
 
-def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec) -> tuple[bytes, torch.Tensor]:
+def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec,
+                 rounds: int = 1) -> tuple[bytes, torch.Tensor]:
     """Apply momentum and compression to a pseudo-gradient; returns (payload, decompressed payload).
 
     The sender merges the decompressed payload into its own replica, exactly what receivers get.
+
+    `rounds` = k > 1: a phase stretched to k*H steps (train/loop.py) stands for k rounds. The momentum runs k
+    outer rounds on delta/k each, and the payload is the mean of their k Nesterov outputs, signed with k rounds'
+    weight (`update_weight` of all its samples): theta moves as k updates of equal deltas would have moved it,
+    `m` ends as after k rounds, and the payload stays inside the bound on one round's honest update
+    (sync/robust.py). The carried error `e` is kept in one round's units (the payload weighs k times more).
     """
     mu = cfg.momentum
-    state.momentum.mul_(mu).add_(delta)
-    d = delta + mu * state.momentum if cfg.nesterov else state.momentum.clone()
+    if rounds > 1:
+        part, d = delta / rounds, torch.zeros_like(delta)
+        for _ in range(rounds):
+            state.momentum.mul_(mu).add_(part)
+            d.add_(part + mu * state.momentum if cfg.nesterov else state.momentum)
+        d.div_(rounds)
+    else:
+        state.momentum.mul_(mu).add_(delta)
+        d = delta + mu * state.momentum if cfg.nesterov else state.momentum.clone()
     if cfg.error_feedback:
-        d.add_(state.error)
+        d.add_(state.error if rounds == 1 else state.error / rounds)
     payload = codec.compress(d)
     decoded = codec.decompress(payload, d.numel())
     if cfg.error_feedback:
         state.error.copy_(d - decoded)
+        if rounds > 1:
+            state.error.mul_(rounds)
     return payload, decoded
 
 
@@ -86,7 +102,8 @@ def update_weight(samples: int, swarm_samples_per_round: float, tau: int, num_pe
 
     `samples / swarm_samples_per_round` is the share of one swarm round this update represents: with N equal
     peers it is 1/N, so one update from each peer moves theta by one DiLoCo outer step. A slower peer's update
-    carries the same per-sample weight; it simply arrives less often.
+    carries the same per-sample weight; it simply arrives less often. A stretched phase's update (k*H steps)
+    carries k rounds' share, and its payload is the mean of the k rounds' outer steps (`outer_update`).
 
     Staleness damping: in a healthy async round each of the other N-1 peers publishes about once while this
     phase runs, so tau ~ N-1 is normal. Only the excess is damped: w *= (1 + excess / N) ** -power.
