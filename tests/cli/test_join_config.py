@@ -74,16 +74,26 @@ def test_toml_file_then_command_line_over_it(tmp_path):
 def test_profiles_load(tmp_path):
     from pathlib import Path
 
-    for name in ("cpu-volunteer", "gpu-24gb", "gpu-llama-135m"):
-        path = Path(__file__).resolve().parents[2] / "peers" / f"{name}.toml"
-        config = join_config(_join_args("--config", str(path)))
-        assert config.spec.run_id == {"cpu-volunteer": "cpu-volunteers", "gpu-24gb": "gpu-24gb",
-                                      "gpu-llama-135m": "gpu-llama-135m"}[name]
+    runs = {"cpu-volunteer": "cpu-volunteers", "slow-link-volunteer": "cpu-volunteers", "gpu-24gb": "gpu-24gb",
+            "gpu-llama-135m": "gpu-llama-135m", "multi-gpu-host": "gpu-llama-135m"}
+    peers = Path(__file__).resolve().parents[2] / "peers"
+    assert sorted(p.stem for p in peers.glob("*.toml")) == sorted(runs)
+    configs = {}
+    for name, run_id in runs.items():
+        config = configs[name] = join_config(_join_args("--config", str(peers / f"{name}.toml")))
+        assert config.spec.run_id == run_id
         # A profile spells out the whole spec; its outer step and lr clock must be today's defaults, not a copy
         # of older ones (BENCHMARKS.md "Async quality").
         assert config.spec.outer.outer_lr == OuterConfig().outer_lr
         assert config.spec.outer.momentum == OuterConfig().momentum
         assert config.spec.inner.schedule_clock == InnerConfig().schedule_clock
+    # The per-peer variants join their base profile's run: the same RunSpec (hash), only their own tables differ.
+    assert configs["slow-link-volunteer"].spec == configs["cpu-volunteer"].spec
+    slow = configs["slow-link-volunteer"].admission.rate
+    assert slow.uplink_bytes_per_s < JoinConfig().admission.rate.uplink_bytes_per_s and slow.measure_uplink
+    assert configs["multi-gpu-host"].spec == configs["gpu-llama-135m"].spec
+    gpus = configs["multi-gpu-host"].training.gpus
+    assert gpus > 1 and configs["multi-gpu-host"].spec.data.batch_size % gpus == 0
 
 
 @pytest.mark.parametrize("content, extra, message", [

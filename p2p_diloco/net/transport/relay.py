@@ -57,7 +57,10 @@ RELAY_MAX_STREAM_BYTES = 256 << 20
 RELAY_MAX_STREAMS = 512
 RELAY_MAX_STREAMS_PER_CALLER = 64
 PRIVATE_MEMORY_S = 300.0
-"""After a direct dial to a peer failed and a relay worked, go through the relay first for this long."""
+"""A peer whose record says nobody can dial it: through a relay first for this long (refreshed with the record)."""
+FALLBACK_MEMORY_S = 60.0
+"""A direct dial failed (or was slow) and a relay worked: through the relay first for this long, then direct
+again (a public peer under load must not stay on the bootstrap's relay)."""
 DIRECT_FIRST_S = 5.0
 """With relays to fall back on, a direct dial to a peer not known to need one gets at most this long."""
 _COPY_BYTES = 1 << 16
@@ -158,7 +161,7 @@ async def open_stream(p2p: P2P, target: str, name: str, timeout_s: float):
         except Exception as e:
             logger.debug("relay did not reach peer relay=%s target=%s error=%r", relay, target, e)
             continue
-        table.remember(target, relay)
+        table.remember(target, relay, FALLBACK_MEMORY_S)
         return stream
     raise direct_error
 
