@@ -246,3 +246,38 @@ def test_a_donor_that_serves_a_bad_chunk_is_counted_penalized_and_skipped(loop, 
         with pytest.raises(StateSyncError, match="skipped \\(penalized\\)"):
             loop.run(fetch_snapshot(joiner.node, SPEC.run_id, SPEC_HASH, [a.node.peer_id], NUMEL, CONFIG,
                                     guard=guard))
+
+
+def test_a_busy_donor_is_waited_for_and_another_refusal_is_not(loop, members, monkeypatch) -> None:
+    """A joiner is a newcomer to every donor: a chunk refused as busy (the newcomers' uplink share is spent) is
+    asked again with backoff; any other refusal drops the donor at once."""
+    import p2p_diloco.net.statesync.client as client
+
+    joiner, a, _ = members
+    calls = {"busy": 0, "no": 0}
+
+    async def busy_twice(request: bytes, caller: str) -> bytes:
+        calls["busy"] += 1
+        if calls["busy"] <= 2:
+            raise rpc.RpcError("busy: the newcomers' share of this peer's uplink is in use")
+        return b"chunk"
+
+    async def refuse(request: bytes, caller: str) -> bytes:
+        calls["no"] += 1
+        raise rpc.RpcError("refused: not a member")
+
+    loop.run(rpc.serve(a.node.p2p, "p2p-diloco/test/busy-chunk", busy_twice, max_request_bytes=64, timeout_s=5))
+    loop.run(rpc.serve(a.node.p2p, "p2p-diloco/test/refused-chunk", refuse, max_request_bytes=64, timeout_s=5))
+    config = StateSyncConfig(timeout_s=5)
+    got = loop.run(client._call_with_retries(joiner.node, a.node.peer_id, "p2p-diloco/test/busy-chunk", b"", 64,
+                                             config))
+    assert got == b"chunk" and calls["busy"] == 3
+    with pytest.raises(rpc.RpcRemoteError, match="not a member"):
+        loop.run(client._call_with_retries(joiner.node, a.node.peer_id, "p2p-diloco/test/refused-chunk", b"", 64,
+                                           config))
+    assert calls["no"] == 1
+    monkeypatch.setattr(client, "BUSY_WAIT_S", 0.0)  # past the wait, busy drops the donor too
+    calls["busy"] = 0
+    with pytest.raises(rpc.RpcRemoteError, match="busy"):
+        loop.run(client._call_with_retries(joiner.node, a.node.peer_id, "p2p-diloco/test/busy-chunk", b"", 64,
+                                           config))

@@ -44,7 +44,11 @@ from swarm_helpers import (
     wait_until,
 )
 
-pytestmark = pytest.mark.timeout(420)
+# The whole story is ~3 minutes of real processes: with issue 12's tests the default suite ran 735 s, over its
+# 10-minute budget. Each fault keeps a default-suite twin: kill and restart (tests/peer/test_restart.py), a
+# bootstrap restarted and met again (tests/net/test_net_node.py), a donor dropped mid-sync
+# (tests/net/test_statesync.py), a hung then vanished peer (tests/net/test_gossip.py); `pytest -m slow` runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 START_S = 120  # one process's start-up on a loaded 2-core machine, with margin
 PAUSE_S = 15.0  # longer than the record TTL (12 s) and the gossip RPC timeout (3 s)

@@ -47,13 +47,25 @@ class TooSlow(Exception):
 
 async def write_frame(writer: asyncio.StreamWriter, kind: int, payload: bytes, timeout_s: float,
                        pace: Pace | None = None) -> None:
+    """Write one frame; a large payload goes in READ_SLICE_BYTES slices, each drained within `timeout_s` (and
+    its share of the pace): an 11 MB update on a 5 Mbit/s uplink takes ~18 s in all and must not be cut as
+    "not read within 10s" while it moves (measured in namespaces with the small preset)."""
     writer.write(HEADER.pack(kind, len(payload)))
-    if payload:
-        writer.write(payload)
+    view, pending = memoryview(payload), HEADER.size
+    for start in range(0, len(payload), READ_SLICE_BYTES):
+        piece = view[start:start + READ_SLICE_BYTES]
+        writer.write(piece)
+        await _drain(writer, pending + len(piece), timeout_s, pace)
+        pending = 0
+    if not payload:
+        await _drain(writer, HEADER.size, timeout_s, pace)
+
+
+async def _drain(writer: asyncio.StreamWriter, nbytes: int, timeout_s: float, pace: Pace | None) -> None:
     if pace is None:
         await asyncio.wait_for(writer.drain(), timeout_s)
     else:
-        await pace.run(writer.drain(), HEADER.size + len(payload), timeout_s)
+        await pace.run(writer.drain(), nbytes, timeout_s)
 
 
 async def read_header(reader: asyncio.StreamReader, timeout_s: float, pace: Pace | None = None) -> tuple[int, int]:
