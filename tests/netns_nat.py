@@ -19,9 +19,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import uuid
-from typing import Any
 
-from swarm_helpers import netns_unavailable
+from swarm_helpers import Namespaces, netns_unavailable
 
 PUBLIC_SUBNET = "10.240.0"
 
@@ -42,7 +41,7 @@ def _run(*argv: str) -> None:
         raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip() or done.stdout.strip()}")
 
 
-class NatTopology:
+class NatTopology(Namespaces):
     """`members`: name -> "public" or "nat"; `caps_mbit`: name -> uplink cap in Mbit/s (tbf), absent = none.
 
     Use as a context manager; `prefix(name)` runs a command inside a member's namespace, `host(name)` is the
@@ -79,17 +78,6 @@ class NatTopology:
     def public_address(self, name: str) -> str:
         """Where the internet sees the member: its own address, or its router's wan address."""
         return f"{PUBLIC_SUBNET}.{self._index(name)}"
-
-    def __enter__(self) -> NatTopology:
-        try:
-            self._create()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.destroy()
 
     def _netns(self, ns: str) -> None:
         _run("ip", "netns", "add", ns)
@@ -138,8 +126,3 @@ class NatTopology:
         _run(*ipt, "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT")
         _run(*ipt, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate",
              "ESTABLISHED,RELATED", "-j", "ACCEPT")
-
-    def destroy(self) -> None:
-        for ns in reversed(self.created):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self.created.clear()

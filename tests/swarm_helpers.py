@@ -308,7 +308,33 @@ def netns_unavailable() -> str | None:
     return None
 
 
-class NetnsTopology:
+class Namespaces:
+    """Namespaces a test creates (`created`) and always deletes: `with X(...)` runs `_create`, and on any error
+    in it, or at the end, `destroy` (stop the processes in them first)."""
+
+    created: list[str]
+
+    def _create(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self._create()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def destroy(self) -> None:
+        for ns in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.created.clear()
+
+
+class NetnsTopology(Namespaces):
     """Every member in its own network namespace, each on one of two bridges (its group) in a hub namespace;
     a veth link joins the bridges. `cut()` sets that link down (the groups cannot reach each other, each
     group still can reach itself), `heal()` sets it up. Nothing outside the namespaces it creates is touched;
@@ -343,17 +369,6 @@ class NetnsTopology:
         if done.returncode != 0:
             raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
-    def __enter__(self) -> NetnsTopology:
-        try:
-            self._create()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.destroy()
-
     def _create(self) -> None:
         hub = self.hub
         self._ip("netns", "add", hub)
@@ -381,8 +396,3 @@ class NetnsTopology:
 
     def heal(self) -> None:
         self._ip("-n", self.hub, "link", "set", "cut-a", "up")
-
-    def destroy(self) -> None:
-        for ns in reversed(self.created):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self.created.clear()

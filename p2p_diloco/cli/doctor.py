@@ -13,16 +13,11 @@ import sys
 from typing import Any
 
 from p2p_diloco.cli.args import Options, add_config_args, load_config
+from p2p_diloco.cli.options import JOIN_SHOWN
 from p2p_diloco.config.doctor import DoctorConfig
 
 DOCTOR_SHOWN = {
-    "network.bootstrap": "--bootstrap",
-    "network.identity": "--identity",
-    "network.host": "--host",
-    "network.port": "--port",
-    "network.announce": "--announce",
-    "network.use_auto_relay": "--use-auto-relay",
-    "network.reachability": "--reachability",
+    **{field: flag for field, flag in JOIN_SHOWN.items() if field.startswith("network.")},  # the join's, as typed
     "run_id": "--run-id",
     "timeout_s": "--timeout-s",
     "relay_wait_s": "--relay-wait-s",
