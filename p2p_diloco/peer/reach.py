@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from multiaddr import Multiaddr
-
-from p2p_diloco.net.discovery.doctor import check_bootstraps
+from p2p_diloco.net.discovery.doctor import check_bootstraps, tcp_port
 from p2p_diloco.net.discovery.status import number
 from p2p_diloco.net.transport import probe
 from p2p_diloco.net.transport.addresses import as_private
@@ -32,16 +30,7 @@ class Reachability:
 
 def tcp_ports(maddrs: list[str]) -> list[int]:
     """The TCP ports of our direct (not relayed) addresses, at most probe.MAX_REACH_PORTS."""
-    ports = set()
-    for maddr in maddrs:
-        try:
-            parsed = Multiaddr(maddr)
-            names = [p.name for p in parsed.protocols()]
-            if "tcp" in names and "p2p-circuit" not in names:
-                ports.add(int(parsed.value_for_protocol("tcp")))
-        except Exception:
-            continue
-    return sorted(ports)[:probe.MAX_REACH_PORTS]
+    return sorted({p for m in maddrs if (p := tcp_port(m)) is not None})[:probe.MAX_REACH_PORTS]
 
 
 async def probe_reachability(node, timeout_s: float) -> Reachability:

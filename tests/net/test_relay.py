@@ -8,6 +8,7 @@ import asyncio
 
 import msgpack
 import pytest
+from hivemind.p2p import PeerID
 
 from p2p_diloco.net.transport import relay, rpc
 from p2p_diloco.net.transport.framing import DATA, ERROR, read_header, read_payload, write_frame
@@ -98,17 +99,8 @@ def test_the_relay_says_when_it_cannot_reach_the_target(loop, relayed) -> None:
 def test_the_relay_forwards_only_our_protocols_and_never_to_itself(loop, relayed, request_) -> None:
     boot, caller, target, server = relayed
 
-    async def ask() -> tuple[int, bytes]:
-        _, reader, writer = await caller.node.p2p.call_binary_stream_handler(boot.node.p2p.peer_id,
-                                                                              relay.RELAY_PROTOCOL)
-        try:
-            await write_frame(writer, DATA, msgpack.packb({**request_, "t": target.node.peer_id}), 10)
-            kind, length = await read_header(reader, 10)
-            return kind, await read_payload(reader, length, 10)
-        finally:
-            writer.close()
-
-    kind, message = loop.run(ask())
+    request = msgpack.packb({**request_, "t": target.node.peer_id})
+    kind, message = loop.run(_one_frame(caller, boot.node.peer_id, relay.RELAY_PROTOCOL, DATA, request))
     assert kind == ERROR and b"bad target or protocol" in message
 
 
@@ -116,14 +108,17 @@ def test_a_forwarded_frame_from_a_peer_that_is_no_relay_is_refused(loop, relayed
     """Only the target's bootstraps may name another caller: anyone else sending FORWARDED is malformed."""
     boot, caller, target, server = relayed
 
-    async def forge() -> tuple[int, bytes]:
-        _, reader, writer = await caller.node.p2p.call_binary_stream_handler(target.node.p2p.peer_id, ECHO)
-        try:
-            await write_frame(writer, relay.FORWARDED, boot.node.peer_id.encode(), 10)
-            kind, length = await read_header(reader, 10)
-            return kind, await read_payload(reader, length, 10)
-        finally:
-            writer.close()
-
-    kind, message = loop.run(forge())
+    kind, message = loop.run(_one_frame(caller, target.node.peer_id, ECHO, relay.FORWARDED,
+                                        boot.node.peer_id.encode()))
     assert kind == ERROR and b"malformed request" in message
+
+
+async def _one_frame(member, peer_id: str, protocol: str, kind: int, payload: bytes) -> tuple[int, bytes]:
+    """Open `protocol` on `peer_id` straight (no relay), send one raw frame, return the first frame back."""
+    _, reader, writer = await member.node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+    try:
+        await write_frame(writer, kind, payload, 10)
+        got, length = await read_header(reader, 10)
+        return got, await read_payload(reader, length, 10)
+    finally:
+        writer.close()

@@ -181,7 +181,8 @@ async def check_bootstraps(addresses: Sequence[str], timeout_s: float,
     return checks, findings
 
 
-def _tcp_port(maddr: str) -> int | None:
+def tcp_port(maddr: str) -> int | None:
+    """The TCP port of a direct (not relayed) multiaddr; None for anything else."""
     try:
         parsed = Multiaddr(maddr)
         names = [p.name for p in parsed.protocols()]
@@ -198,7 +199,7 @@ def _listen_report(node: SwarmNode, diagnosis: Diagnosis, report: Report) -> Non
         report(f"listening {maddr}")
     for maddr in diagnosis.announced_addrs:
         report(f"announced {maddr}")
-    ports = {p for m in diagnosis.listen_addrs + diagnosis.announced_addrs if (p := _tcp_port(m))}
+    ports = {p for m in diagnosis.listen_addrs + diagnosis.announced_addrs if (p := tcp_port(m))}
     diagnosis.probed_ports = sorted(ports)[:probe.MAX_REACH_PORTS]
 
 
@@ -269,7 +270,7 @@ def _reachability_findings(node: SwarmNode, diagnosis: Diagnosis, reachable: lis
     if remote and loopback_only:
         diagnosis.findings.append(Finding("listening on 127.0.0.1 only: no other host can dial this one",
                                           "pass --host 0.0.0.0 (and --port P with TCP port P open)"))
-    random_port = any(_tcp_port(m) == 0 for m in node.config.host_maddrs)
+    random_port = any(tcp_port(m) == 0 for m in node.config.host_maddrs)
     where = diagnosis.observed_ip or "this host's public IP"
     for port in sorted(set(diagnosis.probed_ports) - set(diagnosis.open_ports)):
         fix = (f"open TCP port {port} (or pass --announce IP with a port forward)" if not random_port else

@@ -86,7 +86,6 @@ class Routes:
     private: OrderedDict = field(default_factory=OrderedDict)
     """target -> (relay that worked, until when): go through it first."""
     relayed_opens: int = 0
-    direct_failures: int = 0
 
     def via(self, target: str) -> str | None:
         entry = self.private.get(target)
@@ -151,7 +150,6 @@ async def open_stream(p2p: P2P, target: str, name: str, timeout_s: float):
         if "protocol not supported" in str(e).lower():
             raise
         direct_error = e
-    table.direct_failures += 1
     for relay in table.relays:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0.2:
