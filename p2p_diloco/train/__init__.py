@@ -1,1 +1,1 @@
-"""The inner learner's pieces: the byte-level GPT, the corpus and its deterministic shards."""
+"""The inner learner: its steps, the round loop and its exchange; models, data, hardware and state by job."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from p2p_diloco.config import InnerConfig
-from p2p_diloco.train.compute import Compute
+from p2p_diloco.train.hardware.compute import Compute
 
 
 def lr_at(step: int, cfg: InnerConfig, own_step: int | None = None) -> float:

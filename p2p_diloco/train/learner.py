@@ -18,7 +18,7 @@ vector, the outer state and the codecs stay on the CPU in float32. That is the n
 another thread, and bit-identical on every peer whatever device it trains on. Crossing points: `begin_phase`
 and `_rebase` (CPU -> device) and `finish_phase` (device -> CPU).
 
-Restart (train/checkpoint.py): `state_dict` / `load_state_dict` carry everything a restarted unit needs
+Restart (train/state/manager.py): `state_dict` / `load_state_dict` carry everything a restarted unit needs
 (theta and V, m and e, the inner AdamW state, the data position, its own last seq, the RNG); `persist_update`,
 if set, makes each signed update durable before it is merged or published, and `adopt_own_updates` takes
 those back after a restart. Sequence numbers come from `last_seq`, never from the replica alone: a restarted
@@ -36,15 +36,16 @@ from typing import Any
 import torch
 
 from p2p_diloco.config import RunSpec
-from p2p_diloco.sync.replica import MergeOutcome, Replica
+from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.train.compute import Compute
-from p2p_diloco.train.data import Corpus, ShardSampler, evaluate
-from p2p_diloco.train.device import resolve_device
+from p2p_diloco.train.data.corpus import Corpus, ShardSampler, evaluate
+from p2p_diloco.train.hardware.compute import Compute
+from p2p_diloco.train.hardware.device import resolve_device
+from p2p_diloco.train.hardware.unit import SoloUnit
 from p2p_diloco.train.inner import InnerResult, inner_step, lr_at, make_inner_optimizer
-from p2p_diloco.train.model import build_model, flat_params, load_flat_params
+from p2p_diloco.train.models.build import build_model, flat_params, load_flat_params
 from p2p_diloco.train.outer import OuterState, outer_update, pseudo_gradient, update_weight
-from p2p_diloco.train.unit import SoloUnit
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, make_update
 from p2p_diloco.wire.identity import Identity
@@ -64,10 +65,11 @@ def swarm_rounds(vv: VersionVector) -> float:
 
 
 def make_sampler(corpus: Corpus | Any, spec: RunSpec, peer_id: str, *, shard: int, num_shards: int):
-    """The unit's data stream: a byte corpus is cut into `num_shards` shards (train/data.py); a token dataset is
-    read window by window in this unit's own shuffle per epoch, keyed by the PeerID (train/tokens.py WalkSampler)."""
+    """The unit's data stream: a byte corpus is cut into `num_shards` shards (train/data/corpus.py); a token
+    dataset is read window by window in this unit's own shuffle per epoch, keyed by the PeerID
+    (train/data/tokens.py WalkSampler)."""
     if getattr(corpus, "tokenizer_fingerprint", None) is not None:
-        from p2p_diloco.train.tokens import WalkSampler
+        from p2p_diloco.train.data.tokens import WalkSampler
 
         return WalkSampler(corpus.train, peer_id=peer_id, block_size=spec.model.block_size,
                            batch_size=spec.data.batch_size, seed=spec.seed, inner_steps=spec.inner.inner_steps)
@@ -124,11 +126,11 @@ class Learner:
         self.model = build_model(spec.model, spec.seed)  # on the CPU: the same theta on every peer
         theta = flat_params(self.model)
         # The parameters stay float32 on the device (master weights); `compute` runs the forward and backward in
-        # bf16/fp16 autocast where asked (train/compute.py).
+        # bf16/fp16 autocast where asked (train/hardware/compute.py).
         self.model.to(self.device)
         self.compute = compute or Compute(device=self.device)
         self.compute.prepare(self.model)
-        self.unit = unit or SoloUnit()  # a torchrun unit of several processes: train/unit.py
+        self.unit = unit or SoloUnit()  # a torchrun unit of several processes: train/hardware/unit.py
         if self.unit.world > 1:
             self.unit.agree(spec.spec_hash(), "the run's spec")
             self.unit.check_batch(spec.data.batch_size)
@@ -252,7 +254,7 @@ class Learner:
                              "loss": result.mean_loss, "compute_s": result.compute_s, "rebases": phase.rebases})
         return update
 
-    # ---- checkpoints (train/checkpoint.py writes and verifies them; this is what goes in) --------------------
+    # ---- checkpoints (train/state/ writes and verifies them; this is what goes in) ---------------------------------
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON-able meta): everything a restart needs. Call between phases (phi is not saved: the

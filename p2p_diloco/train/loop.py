@@ -20,7 +20,7 @@ that every caller runs this same loop at its own pace: the real peer drives it t
 for a few rounds (`run_rounds`), and the simulator (sim/swarm.py) one step at a time on its simulated clock,
 so that remote updates land between the inner steps they would fall between on a real network.
 
-**Stretching** (issue 12, a slow uplink sends less). At the end of H steps the loop reads `exchange.backlog()`:
+**Stretching** (a slow uplink sends less). At the end of H steps the loop reads `exchange.backlog()`:
 how many of our own published updates no live peer is known to hold yet (a plain local read). If it is at
 least `schedule.stretch_backlog`, the phase goes on for H more steps (yielding `PhaseStretched`), at most
 `schedule.max_stretch` times H in all, and then publishes one update that covers them: a slow uplink sends

@@ -51,7 +51,7 @@ class OuterState:
 
     def skip_rounds(self, k: int, mu: float) -> None:
         """Account for `k` rounds whose updates were published but whose `m`, `e` were lost (a restart from a
-        checkpoint older than the last published update; see train/checkpoint.py).
+        checkpoint older than the last published update; see train/state/manager.py).
 
         After k more rounds, m = mu^k m_ckpt + sum_j mu^(k-j) delta_j: the deltas are lost, the decayed part is
         exact, so keep only it (keeping m_ckpt whole would re-apply the momentum already spent in those rounds).

@@ -12,11 +12,10 @@ from hypothesis import strategies as st
 
 from p2p_diloco.config import preset
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView, swarm_rounds
 from p2p_diloco.train.loop import run_rounds
-from p2p_diloco.train.model import flat_params
+from p2p_diloco.train.models.build import flat_params
 from p2p_diloco.wire.identity import Identity
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,11 +24,6 @@ BASE = preset("test")
 
 def spec(**inner):
     return dataclasses.replace(BASE, inner=dataclasses.replace(BASE.inner, inner_steps=4, **inner))
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(BASE.data, block_size=BASE.model.block_size)
 
 
 def make(corpus, s) -> Learner:

@@ -1,4 +1,4 @@
-"""Checkpoints and the journal of signed updates (train/checkpoint.py): round trips, torn checkpoints, pruning,
+"""Checkpoints and the journal of signed updates (train/state/checkpoint.py): round trips, torn checkpoints, pruning,
 the sequence-number trap, and a process SIGKILLed while it writes checkpoints."""
 
 from __future__ import annotations
@@ -20,17 +20,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import p2p_diloco.train.checkpoint as checkpoint_module
+import p2p_diloco.train.state.checkpoint as checkpoint_module
+import p2p_diloco.train.state.manager as manager_module
 from p2p_diloco.config import preset
 from p2p_diloco.sync.intake import Intake
-from p2p_diloco.sync.replica import MergeOutcome
+from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.train.checkpoint import CheckpointFolderError, CheckpointStore, StateManager
-from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import run_rounds
 from p2p_diloco.train.outer import OuterState
+from p2p_diloco.train.state.checkpoint import CheckpointStore
+from p2p_diloco.train.state.manager import CheckpointFolderError, StateManager
 from p2p_diloco.wire.envelope import encode_update
 from p2p_diloco.wire.identity import Identity
 
@@ -54,11 +55,6 @@ def one_round(lrn: Learner, exchange) -> tuple:
 
 class Crash(Exception):
     """Stands for a SIGKILL at a chosen line (the multi-process tests kill for real)."""
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(SPEC.data, block_size=SPEC.model.block_size)
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +261,7 @@ def test_another_runs_checkpoint_is_skipped(tmp_path: Path) -> None:
 
 
 def test_a_folder_in_use_or_of_another_peer_is_refused(tmp_path: Path, identity: Identity, monkeypatch) -> None:
-    monkeypatch.setattr(checkpoint_module, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(manager_module, "LOCK_WAIT_S", 0.5)
     first = manager(tmp_path, identity)
     with pytest.raises(CheckpointFolderError, match="in use by another process"):
         manager(tmp_path, identity)
@@ -380,7 +376,7 @@ def test_without_a_checkpoint_the_journal_alone_keeps_seqs_unique(tmp_path: Path
 
 WRITER = """
 import sys, time, torch
-from p2p_diloco.train.checkpoint import CheckpointStore
+from p2p_diloco.train.state.checkpoint import CheckpointStore
 store = CheckpointStore(sys.argv[1], keep=2)
 value = float(time.time())
 while True:
@@ -463,7 +459,7 @@ def test_the_journal_keeps_the_newest_own_updates_to_publish_them_again(tmp_path
     """A peer that leaves right after a round may be the only one holding its last updates. Its checkpoints
     hold them, but a restart must publish them again: the journal keeps the newest few, so nobody has to wait
     out a gap for them (and they never become holes)."""
-    from p2p_diloco.train.checkpoint import JOURNAL_KEEP_RECENT
+    from p2p_diloco.train.state.manager import JOURNAL_KEEP_RECENT
     a = learner(identity, corpus)
     state = manager(tmp_path, identity)
     state.attach(a)

@@ -1,5 +1,5 @@
-"""Precision and micro-batches (train/compute.py): a micro-batched step is the whole-batch step, reduced precision
-keeps float32 master weights, and out-of-memory names the flag to lower."""
+"""Precision and micro-batches (train/hardware/compute.py): a micro-batched step is the whole-batch step,
+reduced precision keeps float32 master weights, and out-of-memory names the flag to lower."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from p2p_diloco.config import ConfigError, InnerConfig, ModelConfig
-from p2p_diloco.train.compute import Compute, OutOfMemory, resolve_precision
+from p2p_diloco.train.hardware.compute import Compute, OutOfMemory, resolve_precision
 from p2p_diloco.train.inner import inner_step, make_inner_optimizer
-from p2p_diloco.train.model import build_model, flat_params
+from p2p_diloco.train.models.build import build_model, flat_params
 
 CFG = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
 

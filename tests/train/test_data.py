@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from p2p_diloco.config import DataConfig, preset
-from p2p_diloco.train.data import Corpus, DataError, ShardSampler, eval_batches, evaluate, load_corpus
-from p2p_diloco.train.model import build_model
+from p2p_diloco.train.data.corpus import Corpus, DataError, ShardSampler, eval_batches, evaluate, load_corpus
+from p2p_diloco.train.models.build import build_model
 
 SPEC = preset("test")
 BLOCK = SPEC.model.block_size

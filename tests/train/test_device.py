@@ -9,8 +9,7 @@ from p2p_diloco.config import ConfigError, JoinConfig, SimConfig, TrainingConfig
 from p2p_diloco.peer.process import Peer
 from p2p_diloco.sim.runner import simulate
 from p2p_diloco.sync.intake import Intake
-from p2p_diloco.train.data import load_corpus
-from p2p_diloco.train.device import resolve_device
+from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 from p2p_diloco.wire.identity import Identity
@@ -23,9 +22,7 @@ SPEC = dataclasses.replace(SPEC, data=dataclasses.replace(SPEC.data, max_corpus_
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(SPEC.data)
+pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the stdlib
 
 
 def one_round(corpus, device: str) -> tuple[Learner, OuterUpdate]:

@@ -1,4 +1,4 @@
-"""Exporting a replica as a Hugging Face folder (train/export.py): the folder loads with AutoModelForCausalLM and
+"""Exporting a replica as a Hugging Face folder (train/models/export.py): the folder loads with AutoModelForCausalLM and
 AutoTokenizer and gives the trained model's logits; the byte tokenizer round-trips text; theta is found in a real
 checkpoint, an older one without the spec, and a peer's final theta.pt."""
 
@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from p2p_diloco.config import ModelConfig, preset
-from p2p_diloco.train.checkpoint import CheckpointStore, StateManager
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
 from p2p_diloco.train.exchange import CollectingExchange
-from p2p_diloco.train.export import ExportError, byte_tokenizer, export_folder, read_state
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import run_rounds
-from p2p_diloco.train.model import build_model, flat_params, load_flat_params
+from p2p_diloco.train.models.build import build_model, flat_params, load_flat_params
+from p2p_diloco.train.models.export import ExportError, byte_tokenizer, export_folder, read_state
+from p2p_diloco.train.state.checkpoint import CheckpointStore
+from p2p_diloco.train.state.manager import StateManager
 from p2p_diloco.wire.identity import Identity
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,10 +9,10 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, RunSpec
-from p2p_diloco.train.compute import Compute, OutOfMemory, resolve_precision
+from p2p_diloco.train.hardware.compute import Compute, OutOfMemory, resolve_precision
 from p2p_diloco.train.inner import inner_step, make_inner_optimizer
 from p2p_diloco.train.learner import Learner, SwarmView
-from p2p_diloco.train.model import build_model, flat_params
+from p2p_diloco.train.models.build import build_model, flat_params
 from p2p_diloco.wire.identity import Identity
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs as learner models (train/hf_model.py, train/resolve.py)."""
+"""Hugging Face causal LMs as learner models (train/models/hf.py, train/data/resolve.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from p2p_diloco.config import ConfigError, ModelConfig, RunSpec
-from p2p_diloco.train.hf_model import HFCausalLM, init_weights
-from p2p_diloco.train.model import build_model, flat_params, load_flat_params
-from p2p_diloco.train.resolve import resolve_spec
+from p2p_diloco.train.data.resolve import resolve_spec
+from p2p_diloco.train.models.build import build_model, flat_params, load_flat_params
+from p2p_diloco.train.models.hf import HFCausalLM, init_weights
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16)
 

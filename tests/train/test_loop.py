@@ -14,7 +14,6 @@ from p2p_diloco.config import preset
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.sync.intake import Intake
-from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import Hooks, PhaseBegun, RoundDone, Schedule, StepDone, drive, rounds, run_rounds
@@ -52,11 +51,6 @@ class Record(Hooks):
 
     def say(self, line: str) -> None:
         self.lines.append(line)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(SPEC.data, block_size=SPEC.model.block_size)
 
 
 def learner(corpus, shard: int = 0) -> Learner:

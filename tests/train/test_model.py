@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from p2p_diloco.config import ModelConfig, preset
-from p2p_diloco.train.model import GPT, build_model, flat_params, load_flat_params
+from p2p_diloco.train.models.build import build_model, flat_params, load_flat_params
+from p2p_diloco.train.models.gpt import GPT
 
 CFG = preset("test").model
 

@@ -1,4 +1,4 @@
-"""Stretched phases (issue 12, a slow uplink sends less): while our own published updates back up
+"""Stretched phases (a slow uplink sends less): while our own published updates back up
 (`Exchange.backlog`), the round loop trains the same phase for H more steps, up to `max_stretch` * H, and
 publishes one update for them; its signed samples cover every step, its weight one round's share."""
 
@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from p2p_diloco.config import preset
+from p2p_diloco.config.errors import ConfigError
 from p2p_diloco.config.join import TrainingConfig
-from p2p_diloco.config.spec import ConfigError
 from p2p_diloco.peer.exchange import SwarmExchange
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.train.data import load_corpus
 from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import Hooks, PhaseStretched, RoundDone, Schedule, StepDone, rounds
@@ -43,11 +42,6 @@ class Backlogged(CollectingExchange):
     def backlog(self) -> int:
         self.reads += 1
         return self.script[min(self.reads, len(self.script)) - 1]
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(SPEC.data, block_size=SPEC.model.block_size)
 
 
 def learner(corpus) -> Learner:

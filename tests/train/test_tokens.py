@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from p2p_diloco.train.data import DataError, eval_batches
-from p2p_diloco.train.tokens import (
+from p2p_diloco.train.data.corpus import DataError, eval_batches
+from p2p_diloco.train.data.tokens import (
     TOKENS_FORMAT,
     KeyedPermutation,
     WalkSampler,
@@ -25,7 +25,7 @@ from p2p_diloco.train.tokens import (
     load_token_dataset,
     stdlib_token_dataset,
 )
-from p2p_diloco.train.tokens_prepare import prepare
+from p2p_diloco.train.data.tokens_prepare import prepare
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega def return class import self value data peer round").split()
@@ -75,7 +75,7 @@ def test_prepare_writes_a_loadable_token_dataset(prepared):
     assert isinstance(ds.train.numpy().base, np.memmap) or ds.train.numpy().base is not None
     assert int((ds.train == ds.eos_id).sum()) == manifest["train"]["documents"]  # one eos ends each document
     assert int(ds.train.numpy().max()) < ds.vocab_size  # (torch has few uint16 ops: indexing and .long() work)
-    batches = eval_batches(ds, block_size=16, batch_size=4, num_batches=2)  # data.py's eval works unchanged
+    batches = eval_batches(ds, block_size=16, batch_size=4, num_batches=2)  # corpus.py's eval works unchanged
     assert batches[0][0].shape == (4, 16) and batches[0][0].dtype == torch.long
     assert "fingerprint=" in ds.describe() and "\n" not in ds.describe()
 
@@ -277,7 +277,7 @@ def test_stdlib_token_dataset_is_built_once_deterministically(tmp_path):
 
 def test_a_token_folder_is_named_by_its_fingerprint_and_a_broken_one_is_an_error(prepared, tmp_path):
     from p2p_diloco.config import ConfigError, DataConfig, ModelConfig, RunSpec
-    from p2p_diloco.train.resolve import load_training_data, resolve_spec
+    from p2p_diloco.train.data.resolve import load_training_data, resolve_spec
 
     moved = tmp_path / "elsewhere"
     shutil.copytree(prepared, moved)

@@ -1,4 +1,4 @@
-"""A learner unit of several processes (train/unit.py): torchrun with the gloo backend on the CPU, 2 ranks.
+"""A learner unit of several processes (train/hardware/unit.py): torchrun with the gloo backend on the CPU, 2 ranks.
 
 The update a 2-process unit signs must be the one a 1-process unit signs from the same batches (up to the order of
 float additions): rank 1 trains half of each batch, DDP averages, and the parameters rank 0 sets (phase start,
@@ -52,7 +52,7 @@ def test_two_process_unit_signs_the_one_process_update(tmp_path):
 
 def test_batch_that_does_not_split_is_refused():
     from p2p_diloco.config import ConfigError
-    from p2p_diloco.train.unit import RankGroup
+    from p2p_diloco.train.hardware.unit import RankGroup
 
     group = RankGroup.__new__(RankGroup)
     group.world = 3

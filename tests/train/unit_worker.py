@@ -21,10 +21,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import save_file
 
 from p2p_diloco.config import ModelConfig, preset
-from p2p_diloco.train.compute import Compute
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
+from p2p_diloco.train.hardware.compute import Compute
+from p2p_diloco.train.hardware.unit import RankGroup, follow, is_follower
 from p2p_diloco.train.learner import Learner, SwarmView
-from p2p_diloco.train.unit import RankGroup, follow, is_follower
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.identity import Identity
 

@@ -2,7 +2,7 @@
 
 `build_hf_model(cfg, seed)` returns an `HFCausalLM`: a thin nn.Module around a `transformers` model whose
 `forward(idx, targets) -> (logits, loss)` is the built-in GPT's, so the learner, the simulator and the baselines
-have one model path (train/model.py `build_model` picks). Its `parameters()` are the HF model's, in its order,
+have one model path (train/models/build.py `build_model` picks). Its `parameters()` are the HF model's, in its order,
 each tied tensor once: `flat_params` / `load_flat_params` work unchanged.
 
 Same theta on every peer. HF's own `_init_weights` draws from the global RNG in an order and with rules that change

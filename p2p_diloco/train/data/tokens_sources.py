@@ -1,13 +1,13 @@
-"""Reading the inputs of `data prepare` (train/tokens_prepare.py) as a stream of document pieces.
+"""Reading the inputs of `data prepare` (train/data/tokens_prepare.py) as a stream of document pieces.
 
 Inputs: text files (.txt .md .py .rst .csv, no suffix) and folders of them (one file = one document), .json (a
 list of objects, or one object per line) and .jsonl (one document per record, field `text_field`), .parquet
-(column `text_field`), "stdlib" (the Python standard library's .py files, as train/data.py reads them) and
+(column `text_field`), "stdlib" (the Python standard library's .py files, as train/data/corpus.py reads them) and
 cached Hugging Face datasets (offline only: a dataset in the local cache, or a save_to_disk folder).
 
 The eval split is by document: sha256(document id) mod 1000 < eval_fraction * 1000, where the id is a file's
-path relative to its source folder, or "<file>#<record index>". Text files are topped up as in data.py so a
-small folder still gets an eval split; "stdlib" uses data.py's split itself.
+path relative to its source folder, or "<file>#<record index>". Text files are topped up as in corpus.py so a
+small folder still gets an eval split; "stdlib" uses corpus.py's split itself.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from p2p_diloco.train.data import (
+from p2p_diloco.train.data.corpus import (
     BINARY_SNIFF_BYTES,
     BYTES_PER_MB,
     DataError,
@@ -27,7 +27,7 @@ from p2p_diloco.train.data import (
     _read_files,
     stdlib_files,
 )
-from p2p_diloco.train.tokens_format import MANIFEST_NAME, is_token_dataset
+from p2p_diloco.train.data.tokens_format import MANIFEST_NAME, is_token_dataset
 
 STDLIB_SOURCE = "stdlib"
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".csv", ".text", ""})
@@ -74,7 +74,7 @@ class Inputs:
         files = _read_files(root, rel_paths, self.budget / BYTES_PER_MB)
         if not files:
             raise DataError(f"found no .py files in the Python standard library at {root}")
-        eval_idx = _choose_eval_files(files, self.eval_fraction)  # the same split as data.py's "stdlib"
+        eval_idx = _choose_eval_files(files, self.eval_fraction)  # the same split as corpus.py's "stdlib"
         for i, (rel, data) in enumerate(files):
             doc_id = f"stdlib/{rel}"
             self.memory[doc_id] = data
@@ -114,7 +114,7 @@ class Inputs:
         self.total += path.stat().st_size
 
     def _choose_text_eval(self) -> None:
-        """Text files: data.py's rule (hash of the id, topped up from the end to half the fraction) by size."""
+        """Text files: corpus.py's rule (hash of the id, topped up from the end to half the fraction) by size."""
         texts = [(doc_id, path.stat().st_size) for kind, path, doc_id in self.items if kind == "text"]
         if len(texts) < 2:
             return  # one file: the split is made by moving its tokens' tail afterwards
@@ -166,7 +166,7 @@ def _kind(path: Path) -> str | None:
 def _text_pieces(path: Path, is_eval: bool) -> Iterator[Piece]:
     with open(path, "rb") as f:
         if b"\0" in f.read(BINARY_SNIFF_BYTES):
-            return  # a binary file in a text folder: skipped, as data.py does
+            return  # a binary file in a text folder: skipped, as corpus.py does
         f.seek(0)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         buf, pending = "", None

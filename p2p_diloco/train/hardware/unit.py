@@ -38,9 +38,9 @@ phases. A rank 0 that dies ends the wait sooner: its sockets close and torchrun 
 
 
 def unit_device(name: str) -> str:
-    """The device this process trains on: `--device` resolved (train/device.py), and under torchrun a bare
+    """The device this process trains on: `--device` resolved (train/hardware/device.py), and under torchrun a bare
     "cuda" (or auto on a GPU machine) becomes this process's own GPU, cuda:LOCAL_RANK."""
-    from p2p_diloco.train.device import resolve_device
+    from p2p_diloco.train.hardware.device import resolve_device
 
     device = resolve_device(name)
     if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -183,7 +183,7 @@ class RankGroup(SoloUnit):
         return mine[0], mine[1]
 
     def _share_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, params: bool, opt: bool) -> None:
-        from p2p_diloco.train.model import flat_params, load_flat_params
+        from p2p_diloco.train.models.build import flat_params, load_flat_params
 
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         if params:
@@ -205,7 +205,7 @@ def follow(spec, unit: RankGroup, compute, device: str) -> int:
     """Ranks > 0 of a unit: build the model, then take inner steps as rank 0 says until it says stop.
     Returns the number of steps taken."""
     from p2p_diloco.train.inner import inner_step, make_inner_optimizer
-    from p2p_diloco.train.model import build_model
+    from p2p_diloco.train.models.build import build_model
 
     unit.agree(spec.spec_hash(), "the run's spec")
     unit.check_batch(spec.data.batch_size)

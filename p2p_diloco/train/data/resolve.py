@@ -2,14 +2,14 @@
 
 `resolve_spec` runs once per process before the spec is hashed, published or compared:
 - `--model PATH` (a config.json or a model folder) becomes `arch` = its model_type, `hf_config` = its canonical
-  JSON and, for a folder with weights, `weights_sha256` (train/hf_model.py); the path itself never enters the
+  JSON and, for a folder with weights, `weights_sha256` (train/models/hf.py); the path itself never enters the
   spec, so two machines with the folder in different places train one run;
 - a token dataset (`--corpus stdlib-bpe` or a folder from `data prepare`) sets `model.vocab_size` to its
   tokenizer's and writes its fingerprints into `data.fingerprint` / `data.tokenizer_fingerprint`; a folder
   becomes `data.corpus = tokens:<fingerprint>` (its path stays in this process), so peers that keep the same
   dataset in different places train one run, and a peer with other data is refused, naming the field.
-`load_training_data` loads what `data.corpus` names: a byte corpus (train/data.py) or a token dataset
-(train/tokens.py), both with `train`, `eval`, `fingerprint`, `source` and `describe()`.
+`load_training_data` loads what `data.corpus` names: a byte corpus (train/data/corpus.py) or a token dataset
+(train/data/tokens.py), both with `train`, `eval`, `fingerprint`, `source` and `describe()`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def looks_like_token_folder(path: str) -> bool:
 
 def token_dataset_path(cfg: DataConfig) -> Path | None:
     """The prepared folder `data.corpus` names, or None for a byte corpus."""
-    from p2p_diloco.train.tokens import stdlib_token_dataset
+    from p2p_diloco.train.data.tokens import stdlib_token_dataset
 
     if cfg.corpus == STDLIB_TOKENS:
         return Path(stdlib_token_dataset(STDLIB_VOCAB))
@@ -53,12 +53,12 @@ def token_dataset_path(cfg: DataConfig) -> Path | None:
 
 def load_training_data(cfg: DataConfig, *, block_size: int | None = None) -> Any:
     """A `Corpus` of bytes or a `TokenDataset`, as `data.corpus` says."""
-    from p2p_diloco.train.data import load_corpus
+    from p2p_diloco.train.data.corpus import load_corpus
 
     path = token_dataset_path(cfg)
     if path is None:
         return load_corpus(cfg, block_size=block_size)
-    from p2p_diloco.train.tokens import load_token_dataset
+    from p2p_diloco.train.data.tokens import load_token_dataset
 
     return load_token_dataset(str(path), block_size=block_size)
 
@@ -67,12 +67,12 @@ def resolve_spec(spec: RunSpec) -> RunSpec:
     """The spec with `--model PATH` and the token dataset's facts filled in (see the module's docstring)."""
     model, data = spec.model, spec.data
     if is_model_path(model.arch):
-        from p2p_diloco.train.hf_model import resolve_model_path
+        from p2p_diloco.train.models.hf import resolve_model_path
 
         model = dataclasses.replace(model, **resolve_model_path(model.arch))
     path = token_dataset_path(data)
     if path is not None:
-        from p2p_diloco.train.tokens import load_token_dataset
+        from p2p_diloco.train.data.tokens import load_token_dataset
 
         dataset = load_token_dataset(str(path), block_size=model.block_size)
         for name, have in (("fingerprint", dataset.fingerprint),

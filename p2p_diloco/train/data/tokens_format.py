@@ -1,7 +1,7 @@
-"""The token dataset format (train/tokens.py describes it): names, the manifest, the fingerprints.
+"""The token dataset format (train/data/tokens.py describes it): names, the manifest, the fingerprints.
 
-Shared by the reading side (train/tokens.py) and the writing side (train/tokens_prepare.py,
-train/tokens_sources.py), so neither imports the other.
+Shared by the reading side (train/data/tokens.py) and the writing side (train/data/tokens_prepare.py,
+train/data/tokens_sources.py), so neither imports the other.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Writing token datasets (the format is in train/tokens.py): read documents, train or load a tokenizer, tokenize.
+"""Writing token datasets (the format is in train/data/tokens.py): read documents, train or load a tokenizer,
+tokenize.
 
-The inputs and the eval split by document are train/tokens_sources.py's. If a split ends up empty (one
+The inputs and the eval split by document are train/data/tokens_sources.py's. If a split ends up empty (one
 document, a tiny folder), the tokens' tail (or head) is moved across. Documents end with the eos token.
 
 Memory stays bounded: documents stream through, long files in line-aligned pieces, tokenized in batches
@@ -20,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from p2p_diloco import __version__
-from p2p_diloco.train.data import BYTES_PER_MB, DataError
-from p2p_diloco.train.tokens_format import (
+from p2p_diloco.train.data.corpus import BYTES_PER_MB, DataError
+from p2p_diloco.train.data.tokens_format import (
     DTYPES,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -32,7 +33,7 @@ from p2p_diloco.train.tokens_format import (
     token_dtype,
     tokenizer_fingerprint,
 )
-from p2p_diloco.train.tokens_sources import STDLIB_SOURCE, Inputs, Piece
+from p2p_diloco.train.data.tokens_sources import STDLIB_SOURCE, Inputs, Piece
 
 EOS_TOKEN = "<|endoftext|>"
 BATCH_BYTES = 4 << 20  # text per tokenizer batch call

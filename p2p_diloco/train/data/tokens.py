@@ -1,6 +1,6 @@
 """Token datasets: a prepared folder of token shards, memory-mapped, and how each learner unit walks it.
 
-A prepared folder (`p2p-diloco data prepare`, train/tokens_prepare.py) holds `manifest.json` (format
+A prepared folder (`p2p-diloco data prepare`, train/data/tokens_prepare.py) holds `manifest.json` (format
 "p2p-diloco/tokens", version 1), `train.bin` and `eval.bin` (raw little-endian uint16, or uint32 when the
 vocabulary exceeds 65536 ids; documents end with the eos token) and `tokenizer/`, which
 `transformers.AutoTokenizer.from_pretrained` loads offline. The fingerprint is the first 16 hex chars of
@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from p2p_diloco.train.data import DataError, _windows, resume_step
-from p2p_diloco.train.tokens_format import (  # noqa: F401 (re-exported: the format's names live here too)
+from p2p_diloco.train.data.corpus import DataError, _windows, resume_step
+from p2p_diloco.train.data.tokens_format import (  # noqa: F401 (re-exported: the format's names live here too)
     DTYPES,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -270,7 +270,7 @@ STDLIB_EVAL_FRACTION = 0.05
 
 def stdlib_token_dataset(vocab_size: int = 4096, *, max_mb: float = STDLIB_MAX_MB,
                          cache_dir: str | os.PathLike | None = None) -> Path:
-    """The corpus "stdlib-bpe": this Python's standard-library .py sources (data.py's file list and eval split)
+    """The corpus "stdlib-bpe": this Python's standard-library .py sources (corpus.py's file list and eval split)
     with a byte-level BPE tokenizer trained on them. Built once per machine into
     <cache>/tokens/stdlib-bpe<vocab>-py<major.minor>, atomically and under a file lock, then reused."""
     name = f"stdlib-bpe{vocab_size}-py{sys.version_info.major}.{sys.version_info.minor}"
@@ -288,7 +288,7 @@ def stdlib_token_dataset(vocab_size: int = 4096, *, max_mb: float = STDLIB_MAX_M
                 return final
             if final.exists():  # not a dataset (an old, broken one): replace it
                 shutil.rmtree(final)
-            from p2p_diloco.train.tokens_prepare import prepare_stdlib
+            from p2p_diloco.train.data.tokens_prepare import prepare_stdlib
 
             prepare_stdlib(final, vocab_size=vocab_size, max_mb=max_mb, eval_fraction=STDLIB_EVAL_FRACTION)
         finally:

@@ -5,7 +5,7 @@ and `AutoTokenizer.from_pretrained(out)` load, with no code of ours:
 - a Hugging Face family (llama, qwen2, mistral, gpt2, or a model folder's config) is the run's own transformers
   model with theta loaded, saved by `save_pretrained`; the tokenizer is the token dataset's (its `tokenizer/`
   folder), and the config's bos/eos/pad ids come from it where the config has none;
-- the built-in byte-level GPT (train/model.py) becomes a `GPT2LMHeadModel`: the same architecture (pre-LN,
+- the built-in byte-level GPT (train/models/gpt.py) becomes a `GPT2LMHeadModel`: the same architecture (pre-LN,
   exact GELU, learned positions, tied head), with its Linear weights transposed into GPT-2's Conv1D layout;
 - a byte corpus gets a byte-level tokenizer whose ids are the byte values: text -> its UTF-8 bytes and back.
 A README.md (model card: run, spec hash, version vector, parameters) and run_spec.json (the RunSpec) go with it.
@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from p2p_diloco.config import ConfigError, RunSpec
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.train.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointError, CheckpointStore
+from p2p_diloco.train.state.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointError, CheckpointStore
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SPEC_FILE = "run_spec.json"
@@ -107,8 +107,8 @@ def _checked(tensors: dict[str, torch.Tensor], meta: dict[str, Any], source: str
 # ---- the model -------------------------------------------------------------------------------------------------
 
 def build_for_export(spec: RunSpec, theta: torch.Tensor) -> Any:
-    """The run's model (train/model.py) with theta loaded, on the CPU in float32."""
-    from p2p_diloco.train.model import build_model, load_flat_params
+    """The run's model (train/models/build.py) with theta loaded, on the CPU in float32."""
+    from p2p_diloco.train.models.build import build_model, load_flat_params
 
     # theta overwrites every weight: a run that started from a model folder's weights needs no such folder here
     model = build_model(dataclasses.replace(spec.model, weights_sha256=""), spec.seed)
@@ -180,7 +180,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def token_tokenizer_dir(spec: RunSpec) -> Path | None:
     """The `tokenizer/` folder of the run's token dataset, None for a byte corpus; ExportError if it is missing."""
-    from p2p_diloco.train.resolve import token_dataset_path
+    from p2p_diloco.train.data.resolve import token_dataset_path
 
     try:
         path = token_dataset_path(spec.data)
@@ -228,7 +228,7 @@ def export_folder(spec: RunSpec, theta: torch.Tensor, out: str | Path, *, dtype:
     out.parent.mkdir(parents=True, exist_ok=True)
     tok_dir = Path(tokenizer_dir).expanduser() if tokenizer_dir else token_tokenizer_dir(spec)
     if tok_dir is not None and spec.data.tokenizer_fingerprint:
-        from p2p_diloco.train.tokens_format import tokenizer_fingerprint
+        from p2p_diloco.train.data.tokens_format import tokenizer_fingerprint
 
         have = tokenizer_fingerprint(tok_dir)
         if have != spec.data.tokenizer_fingerprint:  # a model with another tokenizer's ids writes gibberish

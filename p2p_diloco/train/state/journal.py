@@ -1,8 +1,8 @@
 """The journal of a peer's own signed updates, and the durable-file helpers it and the checkpoints use.
 
 Every update a peer signs is written here (temp file, fsync, rename, fsync of the folder) before it is merged
-into the peer's replica or published: see train/checkpoint.py for why (the sequence-number trap). Entries are
-kept until every kept checkpoint holds them, so the journal holds at most about
+into the peer's replica or published: see train/state/manager.py for why (the sequence-number trap). Entries
+are kept until every kept checkpoint holds them, so the journal holds at most about
 (keep_checkpoints + 1) * checkpoint_every updates.
 """
 

@@ -1,0 +1,1 @@
+"""Training data: the byte corpus, prepared token datasets, and resolving what a run's spec names."""

@@ -1,0 +1,1 @@
+"""What survives a restart: checkpoints, the journal of signed updates, and the folder that holds them."""
