@@ -10,7 +10,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from p2p_diloco.sync.types import Conflict, UpdateLike
 
@@ -19,7 +19,9 @@ logger = logging.getLogger(__name__)
 MAX_CONFLICTS = 16
 """Equivocations whose updates are kept for `Intake` to turn into evidence (the most recent ones)."""
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_S = TypeVar("_S", bound="HoldsBans")
 
 
 class Bans:
@@ -61,6 +63,7 @@ class Bans:
     def deliver(self) -> None:
         """Call the listeners of the queued bans, outside the lock: when this thread holds it (a caller holds
         it around the call that banned, as the repair's `load`), the next call that releases it delivers."""
+        # RLock's ownership test is CPython's (no public one) and absent from typeshed's stubs.
         if self.lock._is_owned():  # type: ignore[attr-defined]
             return
         with self._delivering:
@@ -76,12 +79,18 @@ class Bans:
                         logger.exception("ban listener failed sender=%s", sender)
 
 
-def delivers_bans(method: _F) -> _F:
+class HoldsBans(Protocol):
+    """What `delivers_bans` decorates the methods of (the replica)."""
+
+    bans: Bans
+
+
+def delivers_bans(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
     """Decorates a replica method: deliver the bans it queued, once it has released the lock."""
     @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return method(self, *args, **kwargs)
         finally:
             self.bans.deliver()
-    return wrapper  # type: ignore[return-value]
+    return wrapper

@@ -1,4 +1,4 @@
-"""Equivocation evidence: two signed updates from one sender for one slot, checkable by anyone (issue 5).
+"""Equivocation evidence: two signed updates from one sender for one slot, checkable by anyone.
 
 A sender that signs two different updates for the same `(sender, seq)` splits the swarm: peers that merged
 one can never merge the other (ARCHITECTURE.md "The merge rule"). The pair of raw envelopes is a proof nobody can forge,
@@ -28,6 +28,7 @@ class EvidenceError(WireError):
         self.reason = EVIDENCE_REASON
         self.detail = message
 
+    # Pickled with its one argument; WireError's stub says two (reason, message), hence the ignore.
     def __reduce__(self) -> tuple[type[EvidenceError], tuple[str]]:  # type: ignore[override]
         return EvidenceError, (self.detail,)
 
@@ -66,7 +67,8 @@ def evidence_pair(first: OuterUpdate, second: OuterUpdate) -> tuple[bytes, bytes
 
 def encode_evidence(pair: tuple[bytes, bytes]) -> bytes:
     """One proof as bytes for gossip."""
-    return msgpack.packb(list(pair), use_bin_type=True)
+    packed: bytes = msgpack.packb(list(pair), use_bin_type=True)  # msgpack is untyped; packb returns bytes
+    return packed
 
 
 def decode_evidence(data: bytes, *, max_bytes: int) -> tuple[bytes, bytes]:

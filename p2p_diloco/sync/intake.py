@@ -27,10 +27,10 @@ Every outcome is counted by reason in `counts` (what `status` shows: everything 
 duplicate is a rejection) and logged once per (sender, reason) per interval. Events that are not outcomes of
 one message (gaps skipped, evidence kept or accepted) are counted in `events`.
 
-The replica comes with the spec's merge policy and gap rules (`Replica.from_spec`); the intake gives it
-its clock (the simulator's, in the simulator) and registers a ban listener that keeps the proof of an equivocation
-(`evidence`, raw envelopes re-verifiable with `sync.evidence.check_evidence`) and purges the banned sender
-from the attached `UpdateStore` (`attach_store`).
+The replica comes with the spec's merge policy and gap rules (`Replica.from_spec`) and its clock, which the
+intake reads too (`Replica.set_clock`: the simulator's, in the simulator). The intake registers a ban listener
+that keeps the proof of an equivocation (`evidence`, raw envelopes re-verifiable with
+`sync.evidence.check_evidence`) and purges the banned sender from the attached `UpdateStore` (`attach_store`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
 
 from p2p_diloco.config import RunSpec
 from p2p_diloco.sync.evidence import evidence_pair, verified_pair
@@ -68,18 +67,15 @@ def max_update_bytes(spec: RunSpec, numel: int, codec: Codec | None = None) -> i
 class Intake:
     """Decode, validate and offer incoming updates to one replica, counting every outcome."""
 
-    def __init__(self, spec: RunSpec, numel: int, replica: Replica, *, log_interval_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spec: RunSpec, numel: int, replica: Replica, *, log_interval_s: float = 30.0) -> None:
         self.spec = spec
         self.spec_hash = spec.spec_hash()
         self.numel = numel
         self.replica = replica
         self.codec: Codec = replica.codec  # the peer's one codec, the spec's (`Replica.from_spec`)
         self.max_bytes = max_update_bytes(spec, numel, self.codec)
-        replica.clock = lambda: self.clock()  # dates gaps: through us, so the simulator can set its own clock
         replica.add_ban_listener(self._on_ban)
         self.allowed = frozenset(spec.defence.allowed_senders)
-        self.clock = clock  # seconds; the simulator sets its simulated clock (the replica reads it through us)
         self.counts: Counter[str] = Counter()
         self.events: Counter[str] = Counter()
         self.evidence: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()  # sender -> proof
@@ -104,7 +100,7 @@ class Intake:
             return self._reject(err.reason, source, str(err)), None
         if self.allowed and update.sender not in self.allowed:
             return self._reject("not_allowed", update.sender, f"seq={update.seq}"), None
-        now_s = self.clock()
+        now_s = self.replica.clock()  # dates gaps (the simulator's clock in the simulator)
         outcome, merged = self.replica.offer(update, check=self.check_layout, now_s=now_s)
         # "merged" counts every merge this offer caused, buffered successors it released included.
         with self._lock:
@@ -143,7 +139,7 @@ class Intake:
     def expire_gaps(self, now_s: float | None = None) -> list[UpdateLike]:
         """Skip gaps that waited longer than the RunSpec's gap_timeout_s (`Replica.expire_gaps`); called on
         every receive, and worth calling from a timer (the gossip loop) so a quiet swarm skips too."""
-        merged, skipped = self.replica.expire_gaps(self.clock() if now_s is None else now_s)
+        merged, skipped = self.replica.expire_gaps(now_s)  # None: the replica's clock
         if merged or skipped:
             with self._lock:
                 self.counts["merged"] += len(merged)
@@ -169,10 +165,12 @@ class Intake:
 
     def check_layout(self, update: UpdateLike) -> str | None:
         """The codec and tensor layout must be the RunSpec's, so the payload size is known exactly."""
-        h = update.header  # type: ignore[attr-defined]
+        if not isinstance(update, OuterUpdate):  # `receive` offers decoded envelopes only
+            return "bad_layout"
+        h = update.header
         if h.codec != self.spec.outer.codec or h.numel != self.numel:
             return "bad_layout"
-        if len(update.payload) != self.codec.payload_bytes(self.numel):  # type: ignore[attr-defined]
+        if len(update.payload) != self.codec.payload_bytes(self.numel):
             return "bad_layout"
         return None
 
@@ -209,7 +207,9 @@ class Intake:
         later = [self.store.get(sender, seq) for seq in range(vv.get(sender), lowest, -1) if vv.has(sender, seq)] \
             if self.store is not None else []
         missing = sum(1 for u in later if u is None)
-        for update in [*(u for u in later if u is not None), *versions]:  # newest first: V shrinks from the top
+        # Newest first: V shrinks from the top.
+        todo: list[UpdateLike] = [*(u for u in later if u is not None), *versions]
+        for update in todo:
             if self.replica.unmerge(update):
                 with self._lock:
                     self.events["taken_back"] += 1
@@ -221,15 +221,17 @@ class Intake:
         first = conflict.first
         if first is None and self.store is not None:
             first = self.store.get(sender, conflict.seq)  # the merged one is normally still retained
-        complete = (isinstance(first, OuterUpdate) and isinstance(conflict.second, OuterUpdate)
-                    and first.update_id == conflict.first_id)
+        second = conflict.second
+        pair = None
+        if isinstance(first, OuterUpdate) and isinstance(second, OuterUpdate) and first.update_id == conflict.first_id:
+            pair = evidence_pair(first, second)
         with self._lock:
-            if complete:
-                self._keep(sender, evidence_pair(first, conflict.second))  # type: ignore[arg-type]
+            if pair is not None:
+                self._keep(sender, pair)
                 self.events["evidence_kept"] += 1
             else:
                 self.events["evidence_incomplete"] += 1  # banned here; not provable to others
-        if not complete:
+        if pair is None:
             logger.warning("equivocation without a provable pair sender=%s seq=%d (earlier update no longer "
                            "held)", sender[:16], conflict.seq)
 

@@ -30,9 +30,10 @@ class MergedIds:
         """The ids of `sender`'s `seqs`, or None if one of them is not merged (in `vv`) or no longer kept."""
         seqs = list(seqs)
         ids = [self.get(sender, seq) for seq in seqs]
-        if any(i is None for i in ids) or not all(vv.has(sender, seq) for seq in seqs):
+        kept = [i for i in ids if i is not None]
+        if len(kept) < len(ids) or not all(vv.has(sender, seq) for seq in seqs):
             return None
-        return ids  # type: ignore[return-value]
+        return kept
 
     def record(self, sender: str, seq: int, update_id: bytes, multiplier: float = 1.0) -> None:
         ids = self._ids.setdefault(sender, {})

@@ -107,7 +107,7 @@ class PendingBuffer:
                 max_span: int) -> list[tuple[Waiting, int, float]]:
         """Pop the lowest waiting update of each sender whose gap has waited `timeout_s` and spans at most
         `max_span` seqs above `vv` (`Replica.expire_gaps`); returns (it, the span, how long it waited)."""
-        out = []
+        out: list[tuple[Waiting, int, float]] = []
         for sender, since in list(self.gap_since.items()):
             lowest = self.lowest(sender)
             if lowest is None or now_s - since < timeout_s:
@@ -116,8 +116,10 @@ class PendingBuffer:
             if span > max_span:
                 continue  # too far behind for a skip: a state sync's job
             self.gap_since[sender] = now_s  # a further gap behind this one waits its own timeout
-            out.append((self.pop(sender, lowest), span, now_s - since))
-        return out  # type: ignore[return-value]
+            waiting = self.pop(sender, lowest)  # after: popping its last update forgets the gap
+            if waiting is not None:  # always: `lowest` is one of its seqs
+                out.append((waiting, span, now_s - since))
+        return out
 
     def drop_sender(self, sender: str) -> int:
         seqs = list(self._by_sender.get(sender, ()))
@@ -127,11 +129,13 @@ class PendingBuffer:
 
     def drop_merged(self, vv: VersionVector) -> list[Waiting]:
         """Forget what `vv` has merged; pop and return what it makes ready (its holes, or entry + 1)."""
-        ready = []
+        ready: list[Waiting] = []
         for sender in self.senders():
             for seq in sorted(self._by_sender[sender]):
                 if vv.has(sender, seq):
                     self.pop(sender, seq)
                 elif seq in vv.holes(sender) or seq == vv.get(sender) + 1:
-                    ready.append(self.pop(sender, seq))  # type: ignore[arg-type]
+                    waiting = self.pop(sender, seq)
+                    if waiting is not None:  # always: `seq` is one of its seqs
+                        ready.append(waiting)
         return ready

@@ -52,10 +52,14 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    set again. Every later seq of that sender merged here is taken back too (those held: `Intake`), so a
    sender that split several slots leaves the same set everywhere: its seqs below the proven one.
 
-Threading: the network thread offers while the compute thread takes snapshots. Decoding and screening run
-outside the lock (sync/screening.py); the state is re-checked under the lock before the axpy, so two threads
-decoding the same update merge it once. Each update is decoded once (`offer(decoded=...)`, sync/pending.py).
-The replica knows nothing of training: it is built from the run's spec (`Replica.from_spec`).
+Threading: the network thread offers while the compute thread takes snapshots. `offer` runs in named stages:
+admit (under the lock: the (sender, seq) checks and the layout check, `Slots.admit`), screen (outside it: decode,
+finiteness, the norm bound, sync/screening.py), then either wait (an update that must wait for a gap is buffered
+once screened, after admitting it again under the lock: others ran meanwhile) or merge (under the lock, admitted
+again before the axpy, so two threads decoding the same update merge it once; its buffered successors follow).
+Each update is decoded once (`offer(decoded=...)`, sync/pending.py). The slots' bookkeeping (V, merged ids,
+buffer, bans) is sync/slots.py. The replica knows nothing of training: it is built from the run's spec
+(`Replica.from_spec`).
 """
 
 from __future__ import annotations
@@ -69,14 +73,15 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from p2p_diloco.sync.accumulator import Accumulator
-from p2p_diloco.sync.bans import MAX_CONFLICTS, Bans, delivers_bans  # noqa: F401 (MAX_CONFLICTS: re-exported)
-from p2p_diloco.sync.merged import MergedIds
-from p2p_diloco.sync.pending import PendingBuffer, Waiting
+from p2p_diloco.sync.bans import Bans, delivers_bans
+from p2p_diloco.sync.chain import MergeChain
+from p2p_diloco.sync.merge_rule import MergeRule
+from p2p_diloco.sync.pending import Waiting
 from p2p_diloco.sync.robust import MergePolicy
-from p2p_diloco.sync.screening import Prepared, check_theta, header_ok, prepare, shaped_step
-from p2p_diloco.sync.standing import Standing, weighted
-from p2p_diloco.sync.types import Conflict, MergeOutcome, UpdateLike  # noqa: F401 (re-exported)
+from p2p_diloco.sync.screening import Prepared, check_theta, header_ok
+from p2p_diloco.sync.slots import LayoutCheck, Slots
+from p2p_diloco.sync.standing import Standing
+from p2p_diloco.sync.types import MergeOutcome, UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import Codec, get_codec
 
@@ -91,47 +96,50 @@ class Replica:
 
     def __init__(self, theta: Tensor, *, outer_lr: float, max_weight: float, codec: Codec, max_buffered: int = 1024,
                  max_buffered_bytes: int = 512 << 20, max_sender_share: float = 0.25,
-                 max_ids_per_sender: int = 4096, version_vector: VersionVector | None = None) -> None:
+                 max_ids_per_sender: int = 4096, version_vector: VersionVector | None = None,
+                 standing: Standing | None = None) -> None:
         """Takes ownership of `theta` (merges write into it in place; clone it first to keep a copy). `codec`
-        decodes every payload (the run's: `from_spec` builds it from the spec)."""
-        if not (math.isfinite(outer_lr) and outer_lr >= 0 and math.isfinite(max_weight) and max_weight >= 0):
-            raise ValueError(f"outer_lr and max_weight must be finite and >= 0, got {outer_lr}, {max_weight}")
-        self.outer_lr, self.max_weight, self.max_ids_per_sender = float(outer_lr), float(max_weight), max_ids_per_sender
-        self.policy = MergePolicy.passthrough()
-        self.gap_timeout_s, self.max_hole_span = math.inf, 16
-        self.clock: Callable[[], float] = time.monotonic  # dates gaps; Intake binds its own (the simulator's)
+        decodes every payload (the run's: `from_spec` builds it from the spec). `standing`: the merge weight
+        earned by contribution (sync/standing.py); None merges every update at its signed weight."""
+        self._rule = MergeRule(theta, outer_lr=outer_lr, max_weight=max_weight, codec=codec, standing=standing)
+        self.max_ids_per_sender = max_ids_per_sender
+        self.gap_timeout_s = math.inf
+        self.max_hole_span = 16
+        self._clock: Callable[[], float] = time.monotonic  # dates gaps and merges (`set_clock`)
         self.lock = threading.RLock()
         self.stats: dict[str, int] = {outcome.value: 0 for outcome in MergeOutcome}
         self.stats.update(holes_skipped=0, late_merged=0)
         self.bans = Bans(self.lock)
-        self.banned, self.evidence, self.conflicts = self.bans.banned, self.bans.evidence, self.bans.conflicts
-        self.codec = codec
-        self._sum = Accumulator(theta)  # theta, summed into in place
-        self._vv = version_vector if version_vector is not None else VersionVector()
-        self._buffer = PendingBuffer(max_buffered, max_buffered_bytes, max_sender_share)  # waiting for a gap
-        self._merged = MergedIds(max_ids_per_sender)  # ids (and weight multipliers) of the last merged seqs
-        self.standing: Standing | None = None  # merge weight earned by contribution (sync/standing.py)
+        self._slots = Slots(self.bans, max_buffered=max_buffered, max_buffered_bytes=max_buffered_bytes,
+                            max_sender_share=max_sender_share, max_ids_per_sender=max_ids_per_sender,
+                            version_vector=version_vector)
+        self._chain = MergeChain(self.lock, self._slots, self._rule, self.stats)  # the merge stage of `offer`
 
     @classmethod
     def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None, self_id: str = "") -> Replica:
         """The replica of `spec`'s run: merge constants, codec (pass the peer's to share it) and every rule."""
         codec = codec or get_codec(spec.outer.codec, spec.outer.codec_block)
-        replica = cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec)
+        replica = cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec,
+                      standing=Standing.from_spec(spec, self_id=self_id))
         replica.bind_rules(MergePolicy.from_spec(spec), gap_timeout_s=spec.defence.gap_timeout_s,
                            max_hole_span=spec.defence.max_hole_span)
-        d = spec.defence
-        replica.standing = Standing(probation=d.probation, min_agreement=d.min_agreement, copy_cosine=d.copy_cosine,
-                                    max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id)
         return replica
 
-    def bind_rules(self, policy: MergePolicy, *, gap_timeout_s: float, max_hole_span: int,
-                   clock: Callable[[], float] | None = None) -> None:
-        """Apply the RunSpec's rules (`from_spec` and `Intake` do): screening and shaping, when gaps are skipped,
-        and the clock (seconds) that dates them."""
+    def bind_rules(self, policy: MergePolicy, *, gap_timeout_s: float, max_hole_span: int) -> None:
+        """Apply the RunSpec's rules (`from_spec` does): screening and shaping, and when gaps are skipped."""
         with self.lock:
-            self.policy, self.gap_timeout_s, self.max_hole_span = policy, float(gap_timeout_s), int(max_hole_span)
-            if clock is not None:
-                self.clock = clock
+            self._rule.policy = policy
+            self.gap_timeout_s = float(gap_timeout_s)
+            self.max_hole_span = int(max_hole_span)
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """The clock (seconds) that dates gaps and merges: `time.monotonic` unless set here, the one place it is
+        set (the simulator sets its simulated clock)."""
+        self._clock = clock
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
 
     def add_ban_listener(self, listener: Callable[[str], None]) -> None:
         """Call `listener(sender)` once for every ban, right after the call that banned releases the lock (or,
@@ -139,59 +147,73 @@ class Replica:
         self.bans.add_listener(listener)
 
     @property
+    def codec(self) -> Codec:
+        return self._rule.codec
+
+    @property
+    def policy(self) -> MergePolicy:
+        return self._rule.policy
+
+    @property
+    def standing(self) -> Standing | None:
+        """The merge weight earned by contribution (sync/standing.py); None: every update at its signed weight."""
+        return self._rule.standing
+
+    @property
+    def banned(self) -> set[str]:
+        return self.bans.banned
+
+    @property
     def version_vector(self) -> VersionVector:
-        return self._vv
+        return self._slots.vv
 
     @property
     def theta(self) -> Tensor:
         """The live tensor; hold `lock` while reading it if merges may run concurrently."""
-        return self._sum.theta
+        return self._rule.sum.theta
 
-    n_buffered = property(lambda self: self._buffer.count)
-    buffered_bytes = property(lambda self: self._buffer.nbytes)
+    @property
+    def n_buffered(self) -> int:
+        return self._slots.buffer.count
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._slots.buffer.nbytes
 
     def snapshot(self) -> tuple[Tensor, VersionVector]:
         """A consistent copy of (theta, V): the vector names exactly the updates summed into the copy."""
         with self.lock:
-            return self._sum.theta.clone(), self._vv
+            return self.theta.clone(), self._slots.vv
+
+    def merged_weight(self, sender: str, seq: int) -> float:
+        """The fraction of its signed weight the merged update `(sender, seq)` holds here (its `Standing`
+        multiplier; 0 once taken back as a copy); 1.0 where none is kept (the full weight, or no id kept)."""
+        with self.lock:
+            return self._slots.merged.multiplier(sender, seq)
 
     @delivers_bans
-    def offer(self, update: UpdateLike, *, check: Callable[[UpdateLike], str | None] | None = None,
-              now_s: float | None = None, decoded: Tensor | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
+    def offer(self, update: UpdateLike, *, check: LayoutCheck | None = None, now_s: float | None = None,
+              decoded: Tensor | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
         """Offer one update. Returns its outcome and every update this call merged (it first, then any
         buffered successors it released), e.g. for re-announcing them. `check` runs after the (sender, seq)
         checks and before buffering or decoding; a reason from it is REJECTED_LAYOUT and bans the sender.
         `now_s` (default: `clock()`) dates a new gap for `expire_gaps`. `decoded`: the codec's output for this
         payload, when the caller has it (the sender: the tensor it encoded), so it is not decoded again."""
         if not header_ok(update):
-            logger.warning("update rejected reason=malformed_header update=%r", update)
-            with self.lock:
-                self._count(MergeOutcome.REJECTED_INVALID)
-            return MergeOutcome.REJECTED_INVALID, []
+            return self._reject_malformed(update), []
         now_s = self.clock() if now_s is None else now_s
-        with self.lock:
-            outcome = self._admit(update, check=check)
-            if outcome not in (None, MergeOutcome.BUFFERED):
-                self._count(outcome)  # type: ignore[arg-type]
-                return outcome, []  # type: ignore[return-value]
+        admitted = self._admit(update, check)
+        if admitted is not None and admitted is not MergeOutcome.BUFFERED:
+            return admitted, []
         # Screened before it is buffered too: whatever we keep (and serve to others) passed every check that
         # depends on the update alone, so an honest relay never hands on a poisoned update.
-        prepared = self._prepare(update, decoded, screen_only=outcome is MergeOutcome.BUFFERED)
-        if outcome is MergeOutcome.BUFFERED:
-            with self.lock:
-                if prepared.rejection is not None:
-                    outcome = prepared.rejection
-                    if update.sender not in self.banned:
-                        self._ban(update.sender, f"{outcome.value} seq={update.seq}")
-                else:
-                    outcome = self._admit(update)  # re-check: others ran meanwhile
-                    if outcome is MergeOutcome.BUFFERED and not self._buffer.add(update, now_s, prepared.delta):
-                        outcome = MergeOutcome.REJECTED_BUFFER_FULL
-                if outcome is not None:
-                    self._count(outcome)
-                    return outcome, []
-            prepared = self._prepare(update, prepared.delta)  # it became ready while we screened it (rare)
-        return self._merge_chain(Waiting(update, None), now_s=now_s, prepared=prepared)
+        prepared = self._rule.screen(update, decoded, screen_only=admitted is MergeOutcome.BUFFERED)
+        if admitted is MergeOutcome.BUFFERED:
+            waited = self._wait(update, prepared, now_s)
+            if waited is not None:
+                return waited, []
+            prepared = self._rule.screen(update, prepared.delta)  # it became ready while we screened it (rare)
+        return self._chain.run(Waiting(update, None), now_s=now_s, clock=self.clock, prepared=prepared)
 
     @delivers_bans
     def expire_gaps(self, now_s: float | None = None) -> tuple[list[UpdateLike], int]:
@@ -200,12 +222,12 @@ class Replica:
         if not math.isfinite(self.gap_timeout_s):
             return [], 0
         with self.lock:
-            ready = self._buffer.expired(now_s, self.gap_timeout_s, self._vv, self.max_hole_span)
+            ready = self._slots.buffer.expired(now_s, self.gap_timeout_s, self._slots.vv, self.max_hole_span)
         merged: list[UpdateLike] = []
         for waiting, span, waited_s in ready:
             logger.warning("gap skipped sender=%s holes=%d..%d waited_s=%.0f", waiting.update.sender,
                            waiting.update.seq - span, waiting.update.seq - 1, waited_s)
-            merged.extend(self._merge_chain(waiting, now_s=now_s, skip=True)[1])
+            merged.extend(self._chain.run(waiting, now_s=now_s, clock=self.clock, skip=True)[1])
         with self.lock:
             self.stats["holes_skipped"] += (skipped := sum(span for _, span, _ in ready))
         return merged, skipped
@@ -217,7 +239,7 @@ class Replica:
         with self.lock:
             if sender in self.banned:
                 return False
-            self._ban(sender, reason)
+            self._slots.ban(sender, reason)
             return True
 
     def recent_ids(self, sender: str, seqs: Iterable[int]) -> list[bytes] | None:
@@ -225,7 +247,7 @@ class Replica:
         longer kept (gossip compares these with a peer's, to find slots where the two merged different
         versions: an equivocation no version vector shows)."""
         with self.lock:
-            return self._merged.recent(sender, seqs, self._vv)
+            return self._slots.merged.recent(sender, seqs, self._slots.vv)
 
     def unmerge(self, update: UpdateLike, *, keep_slot: bool = False) -> bool:
         """Take back a merged update (rule 7): `theta += outer_lr * w * m * shape(decode(update))` and V loses
@@ -236,25 +258,8 @@ class Replica:
         False if it is not the one merged here, or if the aggregation is receiver-dependent (centered_clip:
         its shaping cannot be redone exactly, so that divergence is left to the repair)."""
         with self.lock:
-            merged = self._merged.get(update.sender, update.seq)
-            if merged is None or merged != update.update_id or not self._vv.has(update.sender, update.seq):
+            if not self._rule.take_back(update, self._slots, keep_slot=keep_slot):
                 return False
-            if not self.policy.deterministic:
-                logger.warning("cannot take back an update under a receiver-dependent aggregation sender=%s "
-                               "seq=%d", update.sender, update.seq)
-                return False
-            prepared = self._prepare(update, None)  # it passed every check when it merged, identically now
-            if prepared.scaled is None:
-                return False
-            vv = self._vv if keep_slot else self._vv.without(update.sender, update.seq)  # may raise: before theta
-            multiplier = self._merged.multiplier(update.sender, update.seq)  # the weight it earned when merged
-            if multiplier > 0:
-                self._sum.add(weighted(prepared.scaled, multiplier))
-            self._vv = vv
-            if keep_slot:
-                self._merged.record(update.sender, update.seq, update.update_id, 0.0)
-            else:
-                self._merged.forget(update.sender, update.seq)
             self.stats["unmerged"] = self.stats.get("unmerged", 0) + 1
         logger.log(logging.INFO if keep_slot else logging.WARNING, "merged update taken back sender=%s seq=%d%s",
                    update.sender, update.seq, " (weight only: a copy)" if keep_slot else "")
@@ -265,26 +270,21 @@ class Replica:
         """Replace the state (state sync, restart). Buffered updates the new state already includes are
         dropped; those it makes ready are merged and returned. Bans and evidence persist."""
         check_theta(theta)
-        if theta.shape != self._sum.theta.shape:
-            raise ValueError(f"theta shape {tuple(theta.shape)} does not match replica {tuple(self._sum.theta.shape)}")
+        if theta.shape != self.theta.shape:
+            raise ValueError(f"theta shape {tuple(theta.shape)} does not match replica {tuple(self.theta.shape)}")
         with self.lock:
-            self._sum.load(theta)
-            self._vv = version_vector
-            ready = self._buffer.drop_merged(version_vector)
-            # The new theta was summed elsewhere (a donor, a peer we adopt, a checkpoint): which version of a
-            # slot it holds is not ours to know, so no id is kept (rule 3: such seqs read as DUPLICATE, and
-            # neither gossip's id digests nor `unmerge` may trust an id we merged before).
-            self._merged.clear()
+            self._rule.sum.load(theta)
+            ready = self._slots.load(version_vector)
         merged: list[UpdateLike] = []
         for waiting in ready:
-            merged.extend(self._merge_chain(waiting, now_s=self.clock())[1])
+            merged.extend(self._chain.run(waiting, now_s=self.clock(), clock=self.clock)[1])
         return merged
 
     def max_step(self) -> float:
         """Bound on how far one merge moves any coordinate of theta (outer_lr * max_weight * the policy's
         ceiling); inf when the RunSpec sets no bound. Two replicas whose merged sets differ by d updates
         differ by at most d times this in every coordinate (the repair checks a peer's state against it)."""
-        return self.outer_lr * self.max_weight * self.policy.step_ceiling
+        return self._rule.max_step()
 
     @delivers_bans
     def adopt(self, theta: Tensor, version_vector: VersionVector, held: Iterable[UpdateLike]) -> list[UpdateLike]:
@@ -295,106 +295,41 @@ class Replica:
             merged.extend(self.offer(update)[1])
         return merged
 
-    # --- internals --------------------------------------------------------------------------------------
+    # --- the stages of `offer` ------------------------------------------------------------------------------
 
-    def _merge_chain(self, first: Waiting, *, now_s: float, skip: bool = False,
-                     prepared: Prepared | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
-        """Merge `first` (found ready under the lock) and then its buffered successors, in seq order."""
-        merged: list[UpdateLike] = []
-        outcome = MergeOutcome.MERGED
-        current: Waiting | None = first
-        while current is not None:
-            update = current.update
-            if prepared is None:
-                prepared = self._prepare(update, current.decoded)  # outside the lock: the expensive part
-            with self.lock:
-                # Re-check: another thread may have merged this seq (or banned the sender) while we decoded.
-                result = self._admit(update, allow_skip=skip and current is first)
-                if result is MergeOutcome.BUFFERED:  # not ready after all (a load moved V): wait again
-                    result = MergeOutcome.BUFFERED if self._buffer.add(update, now_s, prepared.delta) \
-                        else MergeOutcome.REJECTED_BUFFER_FULL
-                elif result is None:
-                    result = self._apply(update, prepared)
-                prepared = None
-                self._count(result)
-                if current is first:
-                    outcome = result
-                if result is not MergeOutcome.MERGED:
-                    break
-                merged.append(update)
-                # Popped under the same lock as the merge: a successor offered concurrently is either here
-                # already or will find seq == V + 1 and merge itself; none is stranded.
-                current = self._buffer.pop(update.sender, self._vv.get(update.sender) + 1)
-                if current is None and self._buffer.has_sender(first.update.sender):
-                    self._buffer.gap_since[first.update.sender] = now_s  # a new gap starts now
-        return outcome, merged
+    def _admit(self, update: UpdateLike, check: LayoutCheck | None) -> MergeOutcome | None:
+        """Admit, under the lock (rules 2-4 before decoding): None (ready to merge), BUFFERED (it must wait for
+        a gap: screened first) or a final outcome, counted here."""
+        with self.lock:
+            outcome = self._slots.admit(update, check=check)
+            if outcome is not None and outcome is not MergeOutcome.BUFFERED:
+                self._count(outcome)
+            return outcome
 
-    def _prepare(self, update: UpdateLike, decoded: Tensor | None, *, screen_only: bool = False) -> Prepared:
-        """Rule 4 after the layout check (sync/screening.py), with this replica's codec, policy and constants."""
-        return prepare(update, self._sum.theta, codec=self.codec, policy=self.policy, outer_lr=self.outer_lr,
-                       max_weight=self.max_weight, decoded=decoded, screen_only=screen_only)
+    def _wait(self, update: UpdateLike, prepared: Prepared, now_s: float) -> MergeOutcome | None:
+        """Wait, under the lock: buffer a screened update that must wait for a gap, or ban its sender for the
+        rejection screening found. Admitted again first (others ran while we screened): None if it is ready
+        now (the caller merges it); else its outcome, counted here."""
+        with self.lock:
+            outcome: MergeOutcome | None
+            if prepared.rejection is not None:
+                outcome = prepared.rejection
+                if update.sender not in self.banned:
+                    self._slots.ban(update.sender, f"{outcome.value} seq={update.seq}")
+            else:
+                outcome = self._slots.admit(update)
+                if outcome is MergeOutcome.BUFFERED:
+                    outcome = self._slots.wait(update, now_s, prepared.delta)
+            if outcome is not None:
+                self._count(outcome)
+            return outcome
 
-    def _admit(self, update: UpdateLike, *, check: Callable[[UpdateLike], str | None] | None = None,
-                allow_skip: bool = False) -> MergeOutcome | None:
-        """Under the lock: classify by (sender, seq, update_id); None means ready to merge, BUFFERED that it
-        must wait for a gap (the caller buffers it). Runs `check` and records equivocation as side effects."""
-        sender, seq, update_id = update.sender, update.seq, update.update_id
-        if sender in self.banned:
-            return MergeOutcome.REJECTED_BANNED
-        if self._vv.has(sender, seq):
-            known = self._merged.get(sender, seq)
-            if known is None or known == update_id:
-                return MergeOutcome.DUPLICATE
-            return self._equivocation(sender, seq, known, None, update)
-        waiting = self._buffer.get(sender, seq)
-        if waiting is not None:
-            if waiting.update_id == update_id:
-                return MergeOutcome.DUPLICATE
-            return self._equivocation(sender, seq, waiting.update_id, waiting, update)
-        if check is not None and (reason := check(update)):
-            self._ban(sender, f"{reason} seq={seq}")
-            return MergeOutcome.REJECTED_LAYOUT
-        done = self._vv.get(sender)
-        if seq == done + 1 or seq in self._vv.holes(sender) or (allow_skip and seq > done):
-            return None
-        return MergeOutcome.BUFFERED
-
-    def _apply(self, update: UpdateLike, prepared: Prepared) -> MergeOutcome:
-        """Under the lock: the axpy, or the rejection found by `_prepare`."""
-        if prepared.rejection is None and prepared.scaled is None and prepared.delta is not None:
-            prepared = shaped_step(prepared.delta, prepared.scale, self.policy)  # centered_clip: against the window now
-        if prepared.rejection is not None or prepared.scaled is None:
-            reason = prepared.rejection or MergeOutcome.REJECTED_INVALID
-            self._ban(update.sender, f"{reason.value} seq={update.seq}")
-            return reason
-        standing = self.standing
-        verdict = standing.judge(update.sender, update.seq, prepared.delta, self.clock()) if standing else None
-        multiplier = verdict.multiplier if verdict is not None else 1.0
-        if multiplier > 0 and not self._sum.subtract(weighted(prepared.scaled, multiplier), prepared.bound):
-            self._ban(update.sender, f"overflow seq={update.seq}")
-            return MergeOutcome.REJECTED_NONFINITE
-        if update.seq in self._vv.holes(update.sender):
-            self.stats["late_merged"] += 1
-            logger.info("late merge of a skipped update sender=%s seq=%d", update.sender, update.seq)
-        self._vv = self._vv.with_merged(update.sender, update.seq)
-        if verdict is not None:
-            standing.observe(update.sender, prepared.delta, verdict, self.clock(), seq=update.seq)  # type: ignore
-        if multiplier > 0:
-            self.policy.observe(prepared.delta)  # type: ignore[arg-type]
-        self._merged.record(update.sender, update.seq, update.update_id, multiplier)
-        return MergeOutcome.MERGED
-
-    def _equivocation(self, sender: str, seq: int, known_id: bytes, known: UpdateLike | None,
-                      update: UpdateLike) -> MergeOutcome:
-        self.bans.equivocation(sender, seq, known_id, known, update)
-        self._ban(sender, f"equivocation seq={seq}")
-        return MergeOutcome.EQUIVOCATION
-
-    def _ban(self, sender: str, reason: str) -> None:
-        """Under the lock: the ban; its listeners run after the lock is released (`delivers_bans`)."""
-        self.bans.ban(sender)
-        dropped = self._buffer.drop_sender(sender)
-        logger.warning("sender banned sender=%s reason=%s dropped_buffered=%d", sender, reason, dropped)
+    def _reject_malformed(self, update: UpdateLike) -> MergeOutcome:
+        """A header the wire layer should have caught: REJECTED_INVALID, no ban (its sender cannot be trusted)."""
+        logger.warning("update rejected reason=malformed_header update=%r", update)
+        with self.lock:
+            self._count(MergeOutcome.REJECTED_INVALID)
+        return MergeOutcome.REJECTED_INVALID
 
     def _count(self, outcome: MergeOutcome) -> None:
         self.stats[outcome.value] += 1

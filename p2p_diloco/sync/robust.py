@@ -1,4 +1,4 @@
-"""Robust merging: the norm bound, coordinate-wise clipping and CenteredClip (issue 5, ARCHITECTURE.md "Invariants").
+"""Robust merging: the norm bound, coordinate-wise clipping and CenteredClip (ARCHITECTURE.md "Invariants").
 
 The rule that decides everything here (ARCHITECTURE.md "The merge rule"): replicas that merged the same set of updates
 must be equal. A test that depends on what *this* receiver saw recently (e.g. "k times the median norm of the

@@ -24,8 +24,9 @@ import bisect
 import threading
 from collections import OrderedDict
 
+from p2p_diloco.sync.quorum import unservable_merges
 from p2p_diloco.sync.types import UpdateLike
-from p2p_diloco.sync.version_vector import VersionVector, unservable_merges
+from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import OuterUpdate, retained
 
 MAX_BANNED = 100_000
@@ -127,7 +128,7 @@ class UpdateStore:
 
     def unservable_for(self, local: VersionVector, remote: VersionVector) -> list[tuple[str, int]]:
         """Updates `local` merged that `remote` skipped and this store no longer holds: pulls cannot make the
-        two replicas equal, `Replica.adopt` can (see `version_vector.unservable_merges`)."""
+        two replicas equal, `Replica.adopt` can (see `quorum.unservable_merges`)."""
         with self._lock:
             return unservable_merges(local, remote, lambda sender, seq: (sender, seq) in self._by_key)
 

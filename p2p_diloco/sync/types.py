@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from p2p_diloco.wire.codecs import Payload
+
 
 class UpdateLike(Protocol):
     """What the replica needs from an outer update (the wire envelope satisfies it)."""
@@ -26,7 +28,7 @@ class UpdateLike(Protocol):
     def nbytes(self) -> int:
         """Size on the wire."""
     @property
-    def payload(self) -> bytes:
+    def payload(self) -> Payload:
         """The compressed tensor, decoded by the run's codec."""
 
 

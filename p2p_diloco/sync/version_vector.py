@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Container, Iterable, Iterator, Mapping
+from typing import Any, TypeVar, overload
 
 MAX_SENDERS = 100_000
 """Bound on entries accepted from the wire: a remote vector must not make us allocate without limit."""
@@ -37,6 +37,7 @@ MAX_SEQ = 2**63 - 1
 MAX_HOLES = 100_000
 """Bound on the holes one vector may hold (from the wire or made locally)."""
 
+_T = TypeVar("_T")
 _DIGEST_DOMAIN = b"p2p-diloco/version-vector/v1\0"
 _HOLES_MARK = b"\xffholes\0"  # appended to the digest input only when there are holes: hole-free digests unchanged
 
@@ -119,7 +120,15 @@ class VersionVector(Mapping[str, int]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, sender: str, default: int = 0) -> int:  # type: ignore[override]
+    @overload
+    def get(self, sender: str) -> int: ...
+    @overload
+    def get(self, sender: str, default: int) -> int: ...
+    @overload
+    def get(self, sender: str, default: _T) -> int | _T: ...
+
+    def get(self, sender: str, default: object = 0) -> object:
+        """`V[sender]`: 0 for an absent sender (not None: none of its seqs is merged)."""
         return self._entries.get(sender, default)
 
     def __eq__(self, other: object) -> bool:
@@ -147,6 +156,10 @@ class VersionVector(Mapping[str, int]):
         from it could fill, or, if nobody serves them, what the repair's vote is about."""
         return [(sender, seq) for sender, seqs in self._holes.items() if sender not in skip
                 for seq in sorted(seqs) if other.has(sender, seq)]
+
+    def senders_with_holes(self) -> list[str]:
+        """The senders that have holes (in the order they got them)."""
+        return list(self._holes)
 
     def has(self, sender: str, seq: int) -> bool:
         """True if update `(sender, seq)` is merged."""
@@ -308,59 +321,3 @@ class VersionVector(Mapping[str, int]):
                 h.update(raw)
                 h.update(b"".join(struct.pack(">Q", s) for s in sorted(seqs)))
         return h.digest()
-
-
-def unservable_merges(local: VersionVector, remote: VersionVector,
-                      holds: Callable[[str, int], bool]) -> list[tuple[str, int]]:
-    """Updates `local` merged that `remote` skipped (holes) and that we cannot serve (`holds` is False).
-
-    Pulls can never make the two replicas equal then: the remote will never get the update, and we cannot
-    un-merge it without its payload. The repair (ARCHITECTURE.md "The network" (repair)) is that the side that merged
-    it adopts the state of the side that skipped it (`Replica.adopt`) and re-merges what it holds beyond
-    that state. The skipping side never yields for this reason, so the repair goes one way and terminates.
-    """
-    out = []
-    for sender, seqs in remote._holes.items():
-        out.extend((sender, seq) for seq in sorted(seqs) if local.has(sender, seq) and not holds(sender, seq))
-    return out
-
-
-def skipped_by_quorum(items: Iterable[tuple[str, int]], vectors: Iterable[VersionVector],
-                      unknown: int = 0) -> list[tuple[str, int]]:
-    """The `items` (updates we merged and cannot serve) that at least as many of `vectors` (the other peers'
-    latest, as far as we know them) skipped as merged them, counting our own merge: those the repair may give up.
-
-    A vector votes on `(sender, seq)` only once its entry is past `seq`: "skipped" if `seq` is one of its holes,
-    "merged" if it holds it; `unknown` peers whose vectors we do not know count as merged (against yielding).
-    A lone peer that claims a hole cannot make a swarm whose other members merged the update adopt its state;
-    in a swarm of two, the skip wins (the repair must go one way to end)."""
-    vectors = list(vectors)
-    out = []
-    for item in items:
-        skipped, merged = _votes(item, vectors, merged_here=True)
-        if skipped >= merged + unknown:
-            out.append(item)
-    return out
-
-
-def merged_by_quorum(items: Iterable[tuple[str, int]], vectors: Iterable[VersionVector],
-                     unknown: int = 0) -> list[tuple[str, int]]:
-    """The `items` (our holes that nobody has served us) that more of `vectors` merged than skipped, counting
-    our own skip and the `unknown` peers as skips: those for which our replica should adopt a merger's state.
-    The exact complement of `skipped_by_quorum` on the mergers' side: over the same votes one side of an item
-    yields, never both; with votes unknown to either side, at most one (each counts them against itself)."""
-    vectors = list(vectors)
-    out = []
-    for item in items:
-        skipped, merged = _votes(item, vectors, merged_here=False)
-        if merged > skipped + unknown:
-            out.append(item)
-    return out
-
-
-def _votes(item: tuple[str, int], vectors: Iterable[VersionVector], *, merged_here: bool) -> tuple[int, int]:
-    """(skipped, merged) counts of `item` over `vectors` (those past its seq) and our own replica."""
-    sender, seq = item
-    skipped = sum(1 for v in vectors if seq in v.holes(sender))
-    merged = sum(1 for v in vectors if v.has(sender, seq))
-    return (skipped, merged + 1) if merged_here else (skipped + 1, merged)

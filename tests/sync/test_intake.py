@@ -1,10 +1,11 @@
 """Intake: the full check order on real signed envelopes, counting and logging, gap expiry; and hostile peers
-in the in-process swarm (the lost-update trap of issue 4, a scaled-up poisoner of issue 5)."""
+in the in-process swarm (the lost-update trap, a scaled-up poisoner)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -15,7 +16,6 @@ from p2p_diloco.sim.adversary import Adversary, HostileSwarm, Hostility
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.robust import honest_coord_bound
-from p2p_diloco.train.data import load_corpus
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
 from p2p_diloco.wire.identity import Identity
@@ -46,8 +46,11 @@ def envelope(u: OuterUpdate, *, v: int = 1, signature: bytes | None = None, payl
                           "p": u.payload if payload is None else payload}, use_bin_type=True)
 
 
-def make_intake(spec: RunSpec = SPEC, **kw: object) -> Intake:
-    return Intake(spec, NUMEL, Replica.from_spec(spec, torch.zeros(NUMEL), codec=CODEC), **kw)
+def make_intake(spec: RunSpec = SPEC, clock: Callable[[], float] | None = None, **kw: float) -> Intake:
+    replica = Replica.from_spec(spec, torch.zeros(NUMEL), codec=CODEC)
+    if clock is not None:
+        replica.set_clock(clock)  # the intake reads the replica's clock
+    return Intake(spec, NUMEL, replica, **kw)
 
 
 def nan_scale(u_payload: bytes) -> bytes:
@@ -155,9 +158,7 @@ SIM_SPEC = dataclasses.replace(SPEC, data=dataclasses.replace(SPEC.data, max_cor
 SIM = SimConfig(peers=4, total_steps=240, eval_batches=1)  # 3 rounds per peer
 
 
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(SIM_SPEC.data)
+pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the stdlib
 
 
 def run_swarm(corpus, adversary: Adversary, sim: SimConfig = SIM, spec: RunSpec = SIM_SPEC) -> HostileSwarm:  # noqa: ANN001
@@ -167,7 +168,8 @@ def run_swarm(corpus, adversary: Adversary, sim: SimConfig = SIM, spec: RunSpec 
 
 
 def test_an_update_lost_with_its_sender_does_not_block_its_later_ones(corpus) -> None:  # noqa: ANN001
-    """Issue 4's trap: peer 3's seq 2 reached nobody and peer 3 died after publishing seq 3."""
+    """The lost-update trap (ARCHITECTURE.md "The network" (repair)): peer 3's seq 2 reached nobody and peer 3
+    died after publishing seq 3."""
     crash = dataclasses.replace(SIM, crash=("3@70",))  # after its seq 3 (at 60 s)
     swarm = run_swarm(corpus, Adversary(3, Hostility.WITHHOLD, withhold=(2,)), crash)
     lost = swarm.peers[3].learner.peer_id

@@ -7,30 +7,21 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.sync.replica import MergeOutcome, Replica
+from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
+from tests.helpers.fakes import FakeUpdate
 
 DIM = 16
 OUTER_LR = 0.7
 MAX_WEIGHT = 2.0
 SENDERS = ["a", "b", "c", "d"]
-
-
-@dataclass(frozen=True)
-class FakeUpdate:
-    sender: str
-    seq: int
-    update_id: bytes
-    weight: float
-    payload: tuple[float, ...]
-    nbytes: int = 4 * DIM
 
 
 def make(sender: str, seq: int, weight: float = 1.0, seed: int = 0, variant: int = 0,
@@ -39,7 +30,7 @@ def make(sender: str, seq: int, weight: float = 1.0, seed: int = 0, variant: int
     if payload is None:
         payload = torch.randn(DIM, generator=torch.Generator().manual_seed(seed)).tolist()
     uid = hashlib.sha256(f"{sender}/{seq}/{variant}".encode()).digest()
-    return FakeUpdate(sender, seq, uid, weight, tuple(payload))
+    return FakeUpdate(sender, seq, uid, weight, tuple(payload), nbytes=4 * DIM)
 
 
 class FnCodec:
@@ -168,7 +159,7 @@ def test_equivocation_against_merged_update() -> None:
     r.offer(make("a", 3))  # buffered, dropped by the ban
     theta, vv = r.snapshot()
     assert r.offer(evil) == (MergeOutcome.EQUIVOCATION, [])
-    assert r.evidence["a"] == (good.update_id, evil.update_id)
+    assert r.bans.evidence["a"] == (good.update_id, evil.update_id)
     assert "a" in r.banned and r.n_buffered == 0
     assert r.offer(make("a", 2)) == (MergeOutcome.REJECTED_BANNED, [])
     assert torch.equal(r.theta, theta) and r.version_vector == vv
@@ -180,7 +171,7 @@ def test_equivocation_against_buffered_update() -> None:
     first, second = make("a", 3, seed=1), make("a", 3, seed=2, variant=1)
     assert r.offer(first)[0] is MergeOutcome.BUFFERED
     assert r.offer(second)[0] is MergeOutcome.EQUIVOCATION
-    assert r.evidence["a"] == (first.update_id, second.update_id)
+    assert r.bans.evidence["a"] == (first.update_id, second.update_id)
     assert r.n_buffered == 0
     assert r.offer(make("a", 1))[0] is MergeOutcome.REJECTED_BANNED
     assert r.version_vector.get("a") == 0 and torch.equal(r.theta, theta0())
@@ -212,7 +203,7 @@ def test_nonfinite_delta_is_refused_and_blocks_the_sender(poison: list[float], w
         return
     assert r.offer(bad) == (MergeOutcome.REJECTED_NONFINITE, [])
     assert torch.equal(r.theta, theta) and r.version_vector == vv
-    assert r.stats["rejected_nonfinite"] == 1 and "a" in r.banned and "a" not in r.evidence
+    assert r.stats["rejected_nonfinite"] == 1 and "a" in r.banned and "a" not in r.bans.evidence
     assert r.n_buffered == 0
     assert r.offer(make("a", 2))[0] is MergeOutcome.REJECTED_BANNED
 
@@ -531,7 +522,7 @@ def test_conflicts_keep_the_buffered_earlier_update() -> None:
     first, second = make("a", 4, seed=1), make("a", 4, seed=2, variant=1)
     r.offer(first)
     r.offer(second)
-    conflict = r.conflicts["a"]
+    conflict = r.bans.conflicts["a"]
     assert (conflict.seq, conflict.first, conflict.second, conflict.first_id) == (4, first, second, first.update_id)
 
 
@@ -605,7 +596,7 @@ def test_a_banning_call_returns_only_after_its_ban_listeners_ran() -> None:
 
     r.add_ban_listener(listener)
     hook = WhenAQueues()
-    logging.getLogger("p2p_diloco.sync.replica").addHandler(hook)
+    logging.getLogger("p2p_diloco.sync.slots").addHandler(hook)
     try:
         b = threading.Thread(target=lambda: r.ban("x", "test"), name="B")
         b.start()
@@ -614,5 +605,5 @@ def test_a_banning_call_returns_only_after_its_ban_listeners_ran() -> None:
         a.join(10)
         b.join(10)
     finally:
-        logging.getLogger("p2p_diloco.sync.replica").removeHandler(hook)
+        logging.getLogger("p2p_diloco.sync.slots").removeHandler(hook)
     assert seen == {"a_returned_before_y_listener_ended": False}

@@ -12,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_replica import DIM, MAX_WEIGHT, OUTER_LR, FakeUpdate, FnCodec, decode, make, theta0  # the same fakes
 
-from p2p_diloco.sync.replica import MergeOutcome, Replica
-from p2p_diloco.sync.standing import DISTRUST_STRIKES, MAX_DISTRUSTED, MAX_STANDING, Standing, probation_multiplier
+from p2p_diloco.sync.authors import DISTRUST_STRIKES, MAX_DISTRUSTED, MAX_STANDING
+from p2p_diloco.sync.probation import probation_multiplier
+from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.standing import Standing
+from p2p_diloco.sync.types import MergeOutcome
 
 
 def standing(**kwargs: object) -> Standing:
@@ -30,9 +33,8 @@ def direction(seed: int, base: torch.Tensor | None = None, noise: float = 0.3) -
 
 
 def replica_with_standing(**kwargs: object) -> Replica:
-    r = Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec(decode))
-    r.standing = standing(**kwargs)
-    return r
+    return Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec(decode),
+                   standing=standing(**kwargs))
 
 
 def test_probation_doubles_to_full_weight_by_the_third_update() -> None:
@@ -114,7 +116,7 @@ def test_honest_looking_updates_pass_and_earn_standing_and_votes() -> None:
         verdict = s.judge("b", seq, direction(k))
         assert verdict.multiplier == 1.0 and verdict.vetted and verdict.agreement > 0.5
         s.observe("b", direction(k), verdict, now=5.0, seq=seq)
-        assert ("b" in s.good) == (seq == 7)  # two full-weight updates in a row
+        assert ("b" in s.authors.good) == (seq == 7)  # two full-weight updates in a row
     assert s.proven(now=10.0, window_s=10) == {"b", "me"}
     assert s.proven(now=100.0, window_s=10) == set()  # votes are for recent contributors only
 
@@ -135,7 +137,7 @@ def test_a_refused_crowd_adds_nothing_to_the_swarm_size() -> None:
 
 def test_tables_stay_bounded_whatever_the_number_of_identities(monkeypatch) -> None:
     """The bounds are module constants (2**16 and 2**14); at 1/64 of them, 16x as many identities as fit."""
-    import p2p_diloco.sync.standing as module
+    import p2p_diloco.sync.authors as module
 
     monkeypatch.setattr(module, "MAX_DISTRUSTED", MAX_DISTRUSTED // 64)
     monkeypatch.setattr(module, "MAX_STANDING", MAX_STANDING // 64)
@@ -148,9 +150,9 @@ def test_tables_stay_bounded_whatever_the_number_of_identities(monkeypatch) -> N
         sender = f"id{i}"
         for seq in range(3, 3 + rng.choice((1, DISTRUST_STRIKES))):  # some strike out, some stay on a strike
             s.observe(sender, delta, s.judge(sender, seq, delta), now=float(i), seq=seq)
-    assert len(s.recent) <= MAX_STANDING // 64 and s.good <= set(s.recent)
-    assert len(s.strikes) <= MAX_DISTRUSTED // 64 and len(s.distrusted) <= MAX_DISTRUSTED // 64
-    assert len(s.distrusted) > 0 and len(s.good) > 0
+    assert len(s.recent) <= MAX_STANDING // 64 and s.authors.good <= set(s.recent)
+    assert len(s.authors.strikes) <= MAX_DISTRUSTED // 64 and len(s.distrusted) <= MAX_DISTRUSTED // 64
+    assert len(s.distrusted) > 0 and len(s.authors.good) > 0
 
 
 def test_take_back_removes_exactly_what_a_probation_merge_added() -> None:
@@ -171,7 +173,8 @@ def test_noise_at_an_honest_length_never_gets_a_weight() -> None:
     weights = []
     for seq in range(3, 9):
         noise = torch.randn(DIM, generator=g)
-        noise = noise - (noise @ s.reference) / (s.reference @ s.reference) * s.reference  # exactly orthogonal
+        ref = s.reference.vector
+        noise = noise - (noise @ ref) / (ref @ ref) * ref  # exactly orthogonal
         noise *= direction(seq).norm() / noise.norm()
         verdict = s.judge("noise", seq, noise)
         s.observe("noise", noise, verdict, now=float(seq))
@@ -216,7 +219,7 @@ def _good_authors(s: Standing, authors: list[str], seed: int = 3) -> list[torch.
     payloads = [base + 0.3 * torch.randn(4096, generator=g) for _ in authors]  # honest pairs: cosine ~0.92
     for author, delta in zip(authors, payloads):
         s.observe(author, delta, s.judge(author, 5, delta), now=3.0, seq=5)
-    assert set(authors) <= s.good
+    assert set(authors) <= s.authors.good
     return payloads
 
 
@@ -255,7 +258,7 @@ def test_a_copy_that_beats_its_original_is_found_when_the_original_comes() -> No
     verdict = s.judge("h", 6, original)
     assert verdict.multiplier == 1.0
     s.observe("h", original, verdict, now=6.0, seq=6)
-    assert s.copies_found() == [("crowd", 1, "negated_copy")] and s.strikes["crowd"] == 1
+    assert s.copies_found() == [("crowd", 1, "negated_copy")] and s.authors.strikes["crowd"] == 1
     assert s.copies_found() == []  # drained
 
 
@@ -268,17 +271,17 @@ def test_two_newcomers_with_one_payload_both_merge_at_zero() -> None:
     _good_authors(alone, [])
     first = alone.judge("newcomer", 3, payload)
     alone.observe("newcomer", payload, first, now=1.0, seq=3)
-    assert first.multiplier == 1.0 and "newcomer" not in alone.good  # one update: a candidate
+    assert first.multiplier == 1.0 and "newcomer" not in alone.authors.good  # one update: a candidate
     alone.observe("newcomer", payload + 0.1, alone.judge("newcomer", 4, payload + 0.1), now=1.0, seq=4)
-    assert "newcomer" in alone.good  # two in a row, unmatched
+    assert "newcomer" in alone.authors.good  # two in a row, unmatched
     s = vetting()
     _good_authors(s, [])
     s.observe("crowd", 2.0 * payload, s.judge("crowd", 1, 2.0 * payload), now=1.0, seq=1)
     tie = s.judge("newcomer", 3, payload)
     assert tie.multiplier == 0.0 and tie.reason == "tied_copy"
     s.observe("newcomer", payload, tie, now=2.0, seq=3)
-    assert s.copies_found() == [("crowd", 1, "tied_copy")] and not s.strikes
-    assert not s.good & {"newcomer", "crowd"}
+    assert s.copies_found() == [("crowd", 1, "tied_copy")] and not s.authors.strikes
+    assert not s.authors.good & {"newcomer", "crowd"}
 
 
 def _take_back_found(r: Replica, updates: dict[tuple[str, int], FakeUpdate]) -> None:

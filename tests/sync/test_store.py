@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.version_vector import VersionVector
+from tests.helpers.fakes import FakeUpdate
 
 SENDERS = ["a", "b", "c"]
 
 
-@dataclass(frozen=True)
-class FakeUpdate:
-    sender: str
-    seq: int
-    nbytes: int
-    update_id: bytes = b""
-    weight: float = 1.0
-
-
-adds = st.lists(st.builds(FakeUpdate, st.sampled_from(SENDERS), st.integers(1, 12), st.integers(0, 40)),
+adds = st.lists(st.builds(FakeUpdate, st.sampled_from(SENDERS), st.integers(1, 12), nbytes=st.integers(0, 40)),
                 max_size=40)
 
 
@@ -82,7 +72,7 @@ def test_missing_for_shares_a_tight_limit_across_senders() -> None:
     store = UpdateStore(10**6)
     for s in SENDERS:
         for q in range(1, 6):
-            store.add(FakeUpdate(s, q, 10))
+            store.add(FakeUpdate(s, q, nbytes=10))
     out = store.missing_for(VersionVector({"a": 1}), limit=4)
     assert [(u.sender, u.seq) for u in out] == [("a", 2), ("b", 1), ("c", 1), ("a", 3)]
     assert store.missing_for(VersionVector({s: 5 for s in SENDERS}), limit=10) == []
@@ -91,21 +81,21 @@ def test_missing_for_shares_a_tight_limit_across_senders() -> None:
 
 def test_add_refuses_held_and_oversized() -> None:
     store = UpdateStore(100)
-    first = FakeUpdate("a", 1, 30, b"x")
+    first = FakeUpdate("a", 1, b"x", nbytes=30)
     assert store.add(first)
-    assert not store.add(FakeUpdate("a", 1, 30, b"y"))  # same (sender, seq): the first message stays
+    assert not store.add(FakeUpdate("a", 1, b"y", nbytes=30))  # same (sender, seq): the first message stays
     assert store.get("a", 1) is first
-    assert not store.add(FakeUpdate("b", 1, 101))  # could never fit: evicts nothing
+    assert not store.add(FakeUpdate("b", 1, nbytes=101))  # could never fit: evicts nothing
     assert len(store) == 1 and store.nbytes == 30
     assert store.get("b", 1) is None and not store.has("b", 1) and store.oldest_seq("b") is None
     with pytest.raises(ValueError):
-        store.add(FakeUpdate("c", 1, -1))
+        store.add(FakeUpdate("c", 1, nbytes=-1))
 
 
 def test_eviction_reveals_unfillable_gap() -> None:
     store = UpdateStore(30)
     for q in range(1, 6):
-        store.add(FakeUpdate("a", q, 10))
+        store.add(FakeUpdate("a", q, nbytes=10))
     assert store.oldest_seq("a") == 3 and len(store) == 3
     # a peer at a=1 needs seq 2, which we no longer hold: it must look elsewhere or state-sync
     assert store.oldest_seq("a") > VersionVector({"a": 1}).get("a") + 1
@@ -115,7 +105,7 @@ def test_drop_sender() -> None:
     store = UpdateStore(1000)
     for s in ("a", "b"):
         for q in (1, 2, 3):
-            store.add(FakeUpdate(s, q, 7))
+            store.add(FakeUpdate(s, q, nbytes=7))
     assert store.drop_sender("a") == 3 and store.drop_sender("zzz") == 0
     assert store.senders() == ["b"] and len(store) == 3 and store.nbytes == 21
     assert store.missing_for(VersionVector(), 10) == [store.get("b", q) for q in (1, 2, 3)]
@@ -143,16 +133,16 @@ def test_missing_for_serves_the_remotes_holes_too(updates: list[FakeUpdate], rem
 def test_ban_purges_and_refuses() -> None:
     store = UpdateStore(1000)
     for q in (1, 2):
-        store.add(FakeUpdate("a", q, 7))
-    store.add(FakeUpdate("b", 1, 7))
+        store.add(FakeUpdate("a", q, nbytes=7))
+    store.add(FakeUpdate("b", 1, nbytes=7))
     assert store.ban("a") == 2 and store.is_banned("a") and not store.is_banned("b")
-    assert not store.add(FakeUpdate("a", 3, 7)) and store.senders() == ["b"] and store.nbytes == 7
+    assert not store.add(FakeUpdate("a", 3, nbytes=7)) and store.senders() == ["b"] and store.nbytes == 7
     assert store.missing_for(VersionVector(), 10) == [store.get("b", 1)]
 
 
 def test_unservable_for_names_merged_updates_only_we_could_have_served() -> None:
     store = UpdateStore(1000)
-    store.add(FakeUpdate("a", 3, 7))
+    store.add(FakeUpdate("a", 3, nbytes=7))
     local = VersionVector({"a": 4})
     remote = VersionVector({"a": 1}).with_merged("a", 4)  # skipped 2 and 3
     assert store.unservable_for(local, remote) == [("a", 2)]  # 3 we still hold: a pull fixes it

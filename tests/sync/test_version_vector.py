@@ -231,7 +231,7 @@ def test_holes_are_bounded() -> None:
 
 
 def test_unservable_merges_names_what_only_we_merged_and_cannot_serve() -> None:
-    from p2p_diloco.sync.version_vector import unservable_merges
+    from p2p_diloco.sync.quorum import unservable_merges
     local = VersionVector({"a": 5, "b": 2})
     remote = VersionVector({"a": 1}).with_merged("a", 5).with_merged("b", 3)  # skipped a2..a4, b1, b2
     assert remote.holes("a") == {2, 3, 4} and remote.holes("b") == {1, 2}
@@ -254,7 +254,7 @@ def test_without_is_the_inverse_of_with_merged(merged: dict[str, set[int]], data
 
 
 def test_skipped_by_quorum_counts_our_merge_and_only_vectors_past_the_seq() -> None:
-    from p2p_diloco.sync.version_vector import skipped_by_quorum
+    from p2p_diloco.sync.quorum import skipped_by_quorum
     merged = VersionVector({"a": 3})
     skipped = VersionVector({"a": 1}).with_merged("a", 3)  # hole at a2
     behind = VersionVector({"a": 1})  # not past a2: no vote
@@ -269,7 +269,7 @@ def test_skipped_by_quorum_counts_our_merge_and_only_vectors_past_the_seq() -> N
 @given(st.lists(merged_sets, max_size=6), st.sampled_from(SENDERS), st.integers(1, 12))
 def test_skipped_by_quorum_is_a_majority_of_the_voters(others: list[dict[str, set[int]]], sender: str,
                                                        seq: int) -> None:
-    from p2p_diloco.sync.version_vector import skipped_by_quorum
+    from p2p_diloco.sync.quorum import skipped_by_quorum
     vectors = [build(m) for m in others]
     skips = sum(1 for m in others if seq not in m.get(sender, set()) and max(m.get(sender, {0})) > seq)
     merges = 1 + sum(1 for m in others if seq in m.get(sender, set()))
@@ -279,7 +279,7 @@ def test_skipped_by_quorum_is_a_majority_of_the_voters(others: list[dict[str, se
 @given(st.integers(0, 5), st.integers(0, 5))
 def test_one_side_of_an_item_yields_never_both(merged_elsewhere: int, skipped_elsewhere: int) -> None:
     """Peers that merged (s, 2) and peers that skipped it see the same votes: exactly one side adopts."""
-    from p2p_diloco.sync.version_vector import merged_by_quorum, skipped_by_quorum
+    from p2p_diloco.sync.quorum import merged_by_quorum, skipped_by_quorum
     merger = VersionVector({"s": 3})
     skipper = VersionVector({"s": 1}).with_merged("s", 3)
     item = [("s", 2)]
@@ -296,7 +296,7 @@ def test_with_votes_unknown_to_either_side_never_both_yield(merged_elsewhere: in
                                                             hidden_from_merger: int, hidden_from_skipper: int) -> None:
     """Each side counts the peers whose vectors it has not seen against itself; whatever each saw, the two
     sides of an item never both adopt the other's state (they would swap forever)."""
-    from p2p_diloco.sync.version_vector import merged_by_quorum, skipped_by_quorum
+    from p2p_diloco.sync.quorum import merged_by_quorum, skipped_by_quorum
     merger = VersionVector({"s": 3})
     skipper = VersionVector({"s": 1}).with_merged("s", 3)
     item = [("s", 2)]

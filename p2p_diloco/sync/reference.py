@@ -1,0 +1,51 @@
+"""A replica's reference direction (sync/standing.py): an exponential average of the payloads of authors in good
+standing, this peer's own included, and how a new payload compares with it.
+
+Only promotion reads it by default (an update along it, at full weight, counts towards its author's good
+standing); `min_agreement`, `max_norm_ratio` and `full_agreement` (config/defence.py) refuse by it opt-in. All three
+misfired on honest work in real-process runs (a joiner's first update at cos -0.63 with two replicas' references
+and not a third's; cosines down to -0.2 late in a run; norms 3.2-3.9x after a pause at H=2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+REFERENCE_DECAY = 0.7
+"""Weight of the old reference when a payload in good standing is folded in (about the last 3 updates)."""
+NORM_DECAY = 0.9
+"""The reference norm is a decaying maximum of the norms folded in: honest norms grow during warm-up and jump
+after a restart, and an average lags behind them (an honest update measured 3.1x an average in a test)."""
+
+
+class Reference:
+    """The reference direction (None until the first payload in good standing) and its decaying peak norm."""
+
+    def __init__(self) -> None:
+        self.vector: Tensor | None = None
+        self.norm = 0.0  # decaying maximum of the norms of the payloads folded into the reference
+
+    def compare(self, delta: Tensor) -> tuple[float, float]:
+        """(cosine of `delta` with the reference, its norm over the reference norm); 1.0 where a norm is 0."""
+        if self.vector is None:
+            raise ValueError("no reference yet: nothing to compare with")
+        norm = float(delta.norm())
+        ref_norm = float(self.vector.norm())
+        agreement = float(torch.dot(delta, self.vector)) / (norm * ref_norm) if norm > 0 and ref_norm > 0 \
+            else 1.0
+        ratio = norm / self.norm if self.norm > 0 else 1.0
+        return agreement, ratio
+
+    def fold(self, delta: Tensor) -> None:
+        """Fold a payload in good standing into the reference (a zero or non-finite one is left out)."""
+        norm = float(delta.norm())
+        if not (norm > 0 and math.isfinite(norm)):
+            return
+        if self.vector is None:
+            self.vector, self.norm = delta.detach().clone(), norm
+            return
+        self.vector.mul_(REFERENCE_DECAY).add_(delta, alpha=1.0 - REFERENCE_DECAY)
+        self.norm = max(norm, NORM_DECAY * self.norm)
