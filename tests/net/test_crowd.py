@@ -1,5 +1,5 @@
-"""Open runs against a crowd (issue 16): fresh identities, each its own key and libp2p host, attack two honest
-peers over loopback (tests/crowd.py), and the honest peers keep merging each other's updates.
+"""Open runs against a crowd: fresh identities, each its own key and libp2p host, attack two honest
+peers over loopback (tests/helpers/crowd/), and the honest peers keep merging each other's updates.
 
 The swarm (module fixture): honest peers A and B in this process (SwarmNode + Gossip + PeerGuard, as a peer
 composes them), each publishing a signed update every PUBLISH_S, and a crowd of CROWD identities (one p2pd
@@ -43,13 +43,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from crowd import Crowd, Honest, disengage, engage, leftover_daemons, measure, start_honest, stop_honest
 
 from p2p_diloco.config import preset
 from p2p_diloco.config.admission import RateLimitConfig
 from p2p_diloco.net.discovery.records import list_peers
 from p2p_diloco.net.gossip.service import GossipConfig
 from p2p_diloco.sync.version_vector import VersionVector
+from tests.helpers.crowd.crowd import Crowd
+from tests.helpers.crowd.group import leftover_daemons
+from tests.helpers.crowd.honest import Honest, start_honest, stop_honest
+from tests.helpers.crowd.scenarios import disengage, engage, measure
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,13 +85,15 @@ def _limits() -> RateLimitConfig:
 
 
 @dataclasses.dataclass
-class Swarm:
+class Engaged:
+    """A and B publishing, the crowd dialled to them (`engage`): what each test attacks and measures."""
+
     honest: list[Honest]
     crowd: Crowd
     publishers: list[asyncio.Task]
 
 
-async def _start(workdir: Path, size: int, processes: int, limits: RateLimitConfig) -> Swarm:
+async def _start(workdir: Path, size: int, processes: int, limits: RateLimitConfig) -> Engaged:
     """A and B and the crowd, started side by side; on any failure everything started is stopped."""
     crowd = Crowd(size, workdir, run_id=SPEC.run_id, processes=processes)
     honest, entered = await asyncio.gather(
@@ -98,7 +103,7 @@ async def _start(workdir: Path, size: int, processes: int, limits: RateLimitConf
     try:
         if failed is not None:
             raise failed
-        return Swarm(honest, crowd, await engage(honest, crowd, spec=SPEC, numel=NUMEL, publish_s=PUBLISH_S))
+        return Engaged(honest, crowd, await engage(honest, crowd, spec=SPEC, numel=NUMEL, publish_s=PUBLISH_S))
     except BaseException:
         await crowd.close()
         if not isinstance(honest, BaseException):
@@ -106,7 +111,7 @@ async def _start(workdir: Path, size: int, processes: int, limits: RateLimitConf
         raise
 
 
-async def _stop(swarm: Swarm) -> None:
+async def _stop(swarm: Engaged) -> None:
     await disengage(swarm.publishers)
     await swarm.crowd.close()
     await stop_honest(swarm.honest)
@@ -131,7 +136,7 @@ def swarm(loop, tmp_path_factory):
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def _attack(loop, swarm: Swarm, behaviour: str, attack_s: float | None = None) -> dict:
+def _attack(loop, swarm: Engaged, behaviour: str, attack_s: float | None = None) -> dict:
     attack_s = attack_s or (STALL_S if behaviour == "stall" else FLOOD_S)
     result = loop.run(measure(swarm.honest, swarm.crowd, behaviour, base_s=BASE_S, attack_s=attack_s),
                       timeout_s=attack_s + BASE_S + 60)

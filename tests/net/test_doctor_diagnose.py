@@ -3,26 +3,13 @@ and sized, the upload is timed, and a down bootstrap and a bad address become fi
 
 from __future__ import annotations
 
-import socket
-
 from p2p_diloco.config import preset
-from p2p_diloco.net.discovery.doctor import (
-    BAD_ADDRESS_FIX,
-    DOWN_FIX,
-    PUBLIC,
-    RELAYED,
-    check_bootstraps,
-    diagnose,
-)
+from p2p_diloco.net.discovery.bootstraps import BAD_ADDRESS_FIX, DOWN_FIX, check_bootstraps
+from p2p_diloco.net.discovery.doctor import PUBLIC, RELAYED, diagnose
 from p2p_diloco.net.discovery.records import publish_run_spec
 from p2p_diloco.net.discovery.update_size import update_bytes
 from p2p_diloco.net.transport.probe import serve_probe, unserve_probe
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.net import closed_tcp_port
 
 
 def test_diagnose_reads_the_spec_and_names_every_problem(loop, members):
@@ -32,7 +19,7 @@ def test_diagnose_reads_the_spec_and_names_every_problem(loop, members):
     try:
         assert loop.run(publish_run_spec(server, "doctor-run", spec.to_dict(), spec.spec_hash(), timeout_s=10))
         good = server.visible_maddrs()[0]
-        down = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{server.peer_id}"
+        down = f"/ip4/127.0.0.1/tcp/{closed_tcp_port()}/p2p/{server.peer_id}"
         lines: list[str] = []
         checks, findings = loop.run(check_bootstraps([good, down, "/ip4/127.0.0.1/tcp/1"], 5, lines.append))
         assert [c.reachable for c in checks] == [True, False, False]
@@ -64,7 +51,7 @@ def test_a_host_nobody_can_dial_is_relayed_through_a_bootstrap_that_forwards(loo
     node = None
     try:
         Identity.generate().save(tmp_path / "natted.key")
-        closed = _closed_port()
+        closed = closed_tcp_port()
         config = NodeConfig(announce_maddrs=(f"/ip4/127.0.0.1/tcp/{closed}",),
                             initial_peers=(server.visible_maddrs()[0],), client_mode=True, start_timeout_s=30)
         node = loop.run(SwarmNode.start(str(tmp_path / "natted.key"), config))

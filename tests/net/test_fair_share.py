@@ -253,7 +253,10 @@ def test_a_looping_puller_gets_no_more_than_its_share_while_an_honest_peer_keeps
     contributor in A's ledger (it gave A something once, so A unchokes it: only the fair share holds it). It
     must get at most A's budget over the window and the attack (alone, its share is the whole budget; with B
     active half) plus one update, and B must keep merging A's updates."""
-    from crowd import Crowd, disengage, engage, leftover_daemons, measure, start_honest, stop_honest
+    from tests.helpers.crowd.crowd import Crowd
+    from tests.helpers.crowd.group import leftover_daemons
+    from tests.helpers.crowd.honest import start_honest, stop_honest
+    from tests.helpers.crowd.scenarios import disengage, engage, measure
 
     limits = RateLimitConfig(uplink_bytes_per_s=BUDGET, burst_s=1.0, fair_share_window_s=WINDOW_S)
 

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 import msgpack
 import pytest
 import torch
-from net_helpers import LoopThread, Member, start_member
 
 from p2p_diloco.config import preset
 from p2p_diloco.net.admission.guard import PeerGuard
@@ -33,6 +32,7 @@ from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
 from p2p_diloco.wire.identity import Identity
+from tests.helpers.net import LoopThread, Member, start_member
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,7 @@
 """Hostile input (issue 5): a hostile peer attacks a real swarm over loopback, one attack per test.
 
 The swarm (module fixture): a bootstrap and two honest `p2p-diloco join` processes, A and B (test preset,
-H=10: rounds take about a second), plus `HostilePeer` (tests/hostile_peer.py), an in-process hivemind node with
+H=10: rounds take about a second), plus `HostilePeer` (tests/helpers/hostile.py), an in-process hivemind node with
 its own identity that speaks the real protocol. Each attack is delivered the way gossip delivers updates: the
 hostile peer announces a vector naming a sender the honest peers lack, and they pull its crafted frames.
 
@@ -30,14 +30,14 @@ from typing import Any
 
 import pytest
 import torch
-from hostile_peer import HostilePeer
-from net_helpers import Member, start_member
-from swarm_helpers import Launcher, Proc, cli, max_relative_difference, wait_until
 
 from p2p_diloco.net.discovery.records import PeerRecordValidator, list_peers
 from p2p_diloco.net.discovery.status import counts, short_id
 from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
 from p2p_diloco.wire.identity import Identity
+from tests.helpers.hostile import HostilePeer
+from tests.helpers.net import Member, start_member
+from tests.helpers.swarm import Launcher, Proc, cli, max_relative_difference, wait_until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 

@@ -129,7 +129,7 @@ def test_the_guard_keeps_contributors_state_through_a_crowd() -> None:
     for i in range(1000):
         guard.charge_out(f"sybil{i}", 10)
     assert guard.is_penalized("honest")
-    assert len(guard._remotes) == 8 and list(guard._trusted) == ["honest"]
+    assert len(guard.remotes.others) == 8 and list(guard.remotes.trusted) == ["honest"]
     guard.ledger.failed("honest", "invalid")  # demoted: back among the others on its next touch
     guard.charge_out("honest", 10)
-    assert "honest" in guard._remotes and not guard._trusted and guard.is_penalized("honest")
+    assert "honest" in guard.remotes.others and not guard.remotes.trusted and guard.is_penalized("honest")

@@ -11,7 +11,8 @@ import pytest
 
 from p2p_diloco.cli.swarm import with_allow_list
 from p2p_diloco.config import ConfigError, preset
-from p2p_diloco.net.admission.guard import REFUSED_PREFIX, PeerGuard, Rejections
+from p2p_diloco.net.admission.guard import PeerGuard
+from p2p_diloco.net.admission.membership import REFUSED_PREFIX
 from p2p_diloco.net.admission.policy import (
     MEMBER_PROOF_FIELD,
     AccessConfig,
@@ -22,7 +23,9 @@ from p2p_diloco.net.admission.policy import (
     load_allow_list,
     request_kind,
 )
-from p2p_diloco.net.discovery.status import counts, fit_record, rejection_details, rejection_summary
+from p2p_diloco.net.admission.rejections import Rejections
+from p2p_diloco.net.discovery.status import counts, fit_record
+from p2p_diloco.view.table import rejection_details, rejection_summary
 from p2p_diloco.wire.identity import Identity
 
 RUN = "policy-test"
@@ -203,11 +206,12 @@ def test_records_fit_and_are_shown_safely() -> None:
     fitted = fit_record(big, 8192)
     assert "vv" not in fitted and fitted["rejected_by"] == {"bad_signature": 3}
     assert len(msgpack.packb(fitted)) < 8192 - 256
-    hostile = {"rejected_by": {"bad_signature": 3, "rate_limited": 40, "evil": -1, 5: 5, "x": True},
+    hostile = {"rejected": 3, "refused": 40,
+               "rejected_by": {"bad_signature": 3, "rate_limited": 40, "evil": -1, 5: 5, "x": True},
                "offenders": {"12D3KooWhostile": {"rate_limited": 40}, 7: "junk"},
                "dht_rejected": "not a map"}
     assert counts(hostile, "rejected_by") == {"rate_limited": 40, "bad_signature": 3}
-    assert rejection_summary(hostile) == "43 (rate_limited 40, bad_signature 3)"
-    assert rejection_summary({}) == "0"
+    assert rejection_summary(hostile) == "3 (rate_limited 40, bad_signature 3)"
+    assert rejection_summary({}) == "-" and rejection_summary({"rejected": 0}) == "0"
     details = rejection_details({"12D3KooWpeer1234": hostile})
     assert "peer1234: rate_limited 40, bad_signature 3" in details and "from Whostile: rate_limited 40" in details

@@ -5,7 +5,6 @@ rate limited, an oversize or malformed request is refused)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import msgpack
 import pytest
@@ -21,6 +20,7 @@ from p2p_diloco.net.transport.probe import (
     unserve_probe,
     upload_rate,
 )
+from tests.helpers.net import closed_tcp_port
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +33,13 @@ def server(loop, members):
         loop.run(unserve_probe(members[0].node))
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again when we return: nothing listens there
-
-
 def test_reach_says_open_for_a_listening_port_and_closed_for_a_closed_one(loop, members, server):
     node, _ = server
 
     async def probe_with_a_listener() -> tuple:
         listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
         try:
-            open_port, closed_port = listener.sockets[0].getsockname()[1], _closed_port()
+            open_port, closed_port = listener.sockets[0].getsockname()[1], closed_tcp_port()
             return open_port, closed_port, await reach(members[1].node, node.peer_id, [open_port, closed_port], 15)
         finally:
             listener.close()
@@ -68,7 +62,7 @@ def test_reach_refuses_a_burst_and_bad_requests(loop, members, server):
         loop.run(rpc.call(caller.p2p, node.peer_id, REACH, msgpack.packb({"ports": [0, 70000]}),
                           max_response_bytes=512, timeout_s=15))
     with pytest.raises(rpc.RpcRemoteError, match="rate limited"):  # one request per caller per 5 s
-        loop.run(reach(caller, node.peer_id, [_closed_port()], 15))
+        loop.run(reach(caller, node.peer_id, [closed_tcp_port()], 15))
     assert stats[REACH].rejected_policy >= 1
 
 

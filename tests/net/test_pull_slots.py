@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from net_helpers import start_member
 
 from p2p_diloco.config import preset
 from p2p_diloco.net.admission.guard import PeerGuard
@@ -29,6 +28,7 @@ from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import make_update
 from p2p_diloco.wire.identity import Identity
+from tests.helpers.net import start_member
 
 pytestmark = pytest.mark.timeout(120)
 

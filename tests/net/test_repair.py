@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from net_helpers import LoopThread, Member
 from test_gossip import NUMEL, SPEC, _replica, _updates, wait_until
 
 from p2p_diloco.net.admission.guard import PeerGuard
@@ -32,6 +31,7 @@ from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import OuterUpdate
 from p2p_diloco.wire.identity import Identity
+from tests.helpers.net import LoopThread, Member
 
 pytestmark = pytest.mark.timeout(120)
 

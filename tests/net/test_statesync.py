@@ -17,17 +17,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from net_helpers import LoopThread, Member
 
 from p2p_diloco.config import preset
-from p2p_diloco.net.statesync.client import (
-    MANIFEST_DOMAIN,
-    DonorError,
-    StateSyncConfig,
-    StateSyncError,
-    fetch_snapshot,
-    parse_manifest,
-)
+from p2p_diloco.net.statesync.client import StateSyncConfig, StateSyncError, fetch_snapshot
+from p2p_diloco.net.statesync.manifest import MANIFEST_DOMAIN, DonorError, parse_manifest
 from p2p_diloco.net.statesync.server import SnapshotServer
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.sync.replica import Replica
@@ -35,6 +28,7 @@ from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import sign_blob
 from p2p_diloco.wire.identity import Identity
+from tests.helpers.net import LoopThread, Member
 
 pytestmark = pytest.mark.timeout(120)
 

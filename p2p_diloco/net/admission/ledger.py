@@ -1,4 +1,4 @@
-"""What each remote gave us and what it cost us: the contribution ledger (issue 16, open runs against a crowd).
+"""What each remote gave us and what it cost us: the contribution ledger (open runs against a crowd).
 
 In an open run an identity costs nothing, so nothing may be shared per PeerID alone: pull slots
 (net/gossip/pulls.py) and the uplink (net/admission/uplink.py) go by what a remote DID for us, as recorded

@@ -1,4 +1,4 @@
-"""Bandwidth awareness (issue 12, "Over the internet"): this peer's upload rate measured from its own transfers,
+"""Bandwidth awareness (ARCHITECTURE.md "The network"): this peer's upload rate measured from its own transfers,
 the per-remote fair share of it, and the local settings that follow from it. Pure: no asyncio, no I/O; every
 method takes `now` (monotonic seconds).
 

@@ -1,4 +1,4 @@
-"""Who may talk to this peer, and how much of its time a remote may take (issue 5: hostile input).
+"""Who may talk to this peer, and how much of its time a remote may take (hostile input).
 
 Anyone on the internet can reach a peer. What a remote sends is checked (wire/, sync/); this module bounds what
 it can *make us do*, and who may take part at all.

@@ -1,5 +1,6 @@
-"""This peer's uplink, shared by reciprocity (issue 16): what we serve (pull responses, snapshot manifests and
-chunks) goes first to the remotes that gave us something, and all the others together get ONE share.
+"""This peer's uplink, shared by reciprocity (ARCHITECTURE.md "Who counts"): what we serve (pull responses,
+snapshot manifests and chunks) goes first to the remotes that gave us something, and all the others together get
+ONE share.
 
 The budget, `uplink_bytes_per_s` (0: none, nothing here refuses), is split in two byte buckets (each holds
 `burst_s` seconds of its rate, and a debt of at most that much):
@@ -15,7 +16,7 @@ The budget, `uplink_bytes_per_s` (0: none, nothing here refuses), is split in tw
                 pulls of others.
 Re-serving also costs the remote's score in the ledger (net/admission/ledger.py), which orders the unchoked.
 
-Bandwidth awareness (issue 12; net/admission/meter.py): the uplink's rate is MEASURED from our own bulk
+Bandwidth awareness (net/admission/meter.py): the uplink's rate is MEASURED from our own bulk
 responses (`meter`, `rate_bps`), and the budget the two buckets split is min(uplink_bytes_per_s, measured)
 once there is a measurement (`measure_uplink`), so on a 20 Mbit/s home link the newcomers share a quarter of
 2.5 MB/s, not of 128 MB/s. On top of both buckets, with `fair_share`, no single remote (contributor, unchoked

@@ -2,9 +2,8 @@
 
 Two steps, so that `join` can run them around its own node start:
 
-1. `check_bootstraps(addresses, timeout_s)`: parse each bootstrap multiaddr (a malformed one is a finding naming
-   what is wrong) and open a plain TCP connection to each, timed: a bootstrap that refuses it is down or its
-   port is closed. No libp2p yet: this answers in a second where the DHT start would retry for a minute.
+1. `check_bootstraps(addresses, timeout_s)` (net/discovery/bootstraps.py): each bootstrap address parsed, then a
+   timed plain TCP connection to it; no libp2p yet.
 2. `diagnose(node, checks, ...)`, once a node is up (started the way `join` starts it, with the bootstraps that
    answered): ask each bootstrap to dial us back on our listen and announced ports (net/transport/probe.py) and
    classify this host as "public" (a bootstrap connected back), "nat-relayed" (it could not, but the daemon holds
@@ -20,18 +19,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from multiaddr import Multiaddr
-
+from p2p_diloco.net.discovery.bootstraps import LOOPBACK, BootstrapCheck, Finding, Report, quiet, tcp_port
 from p2p_diloco.net.discovery.records import fetch_run_spec
 from p2p_diloco.net.discovery.update_size import update_bytes
 from p2p_diloco.net.transport import probe
-from p2p_diloco.net.transport.node import MULTIADDR_EXAMPLE, NodeError, parse_multiaddr
 
 if TYPE_CHECKING:
     from p2p_diloco.net.transport.node import SwarmNode
@@ -43,44 +38,8 @@ MAX_CLOCK_SKEW_S = 10.0
 """Peer records expire by DHT time (the local clock): beyond this, records look expired or far in the future."""
 SLOW_UPDATE_S = 60.0
 """An outer update that takes longer than this to upload is a finding (what is sent goes stale)."""
-BAD_ADDRESS_FIX = ("bad address: correct it to /ip4/IP/tcp/PORT/p2p/PEER_ID (or /dns/NAME/...), as the bootstrap "
-                   "printed it")
-DOWN_FIX = "this bootstrap is down or the port is closed: use another (or ask its operator)"
 RELAY_FIX = ("behind NAT: run join with --reachability private (others then reach this peer through a relay "
              "on the bootstrap), with a bootstrap that relays (p2p-diloco bootstrap of this version)")
-_LOOPBACK = ("127.", "::1", "localhost")
-
-Report = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem and the change that fixes it."""
-
-    problem: str
-    fix: str
-
-
-@dataclass
-class BootstrapCheck:
-    """One --bootstrap address: parsed, then dialed over plain TCP."""
-
-    address: str
-    peer_id: str = ""
-    host: str = ""
-    port: int = 0
-    connect_ms: float | None = None
-    """Time to open a TCP connection; None if it failed or was not tried."""
-    error: str = ""
-    """What was wrong: the address, or the connection."""
-
-    @property
-    def reachable(self) -> bool:
-        return self.connect_ms is not None
-
-    @property
-    def loopback(self) -> bool:
-        return self.host.startswith(_LOOPBACK)
 
 
 @dataclass
@@ -121,76 +80,6 @@ class Diagnosis:
         return {**dataclasses.asdict(self), "ok": self.ok}
 
 
-def _quiet(line: str) -> None:
-    pass
-
-
-def parse_bootstrap(address: str) -> BootstrapCheck:
-    """The host, TCP port and peer id of a bootstrap multiaddr; `error` says what is wrong with it."""
-    check = BootstrapCheck(address=address)
-    try:
-        maddr = Multiaddr(parse_multiaddr(address, require_peer_id=True))
-    except NodeError as e:
-        check.error = str(e)
-        return check
-    names = [p.name for p in maddr.protocols()]
-    host_proto = next((n for n in names if n in ("ip4", "ip6", "dns", "dns4", "dns6")), None)
-    if host_proto is None or "tcp" not in names:
-        check.error = f"bad multiaddr '{address}': it names no host and TCP port; expected e.g. {MULTIADDR_EXAMPLE}"
-        return check
-    check.host = maddr.value_for_protocol(host_proto)
-    check.port = int(maddr.value_for_protocol("tcp"))
-    check.peer_id = maddr.value_for_protocol("p2p")
-    return check
-
-
-async def _connect(check: BootstrapCheck, timeout_s: float) -> None:
-    started = time.monotonic()
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(check.host, check.port), timeout_s)
-    except asyncio.TimeoutError:
-        check.error = f"no answer within {timeout_s:g}s"
-        return
-    except OSError as e:  # asyncio's message repeats the address: the errno's text says it all
-        check.error = (os.strerror(e.errno) if e.errno else str(e)) or type(e).__name__
-        return
-    check.connect_ms = (time.monotonic() - started) * 1000
-    writer.close()
-    try:
-        await asyncio.wait_for(writer.wait_closed(), 1.0)
-    except (OSError, asyncio.TimeoutError):
-        pass
-
-
-async def check_bootstraps(addresses: Sequence[str], timeout_s: float,
-                           report: Report = _quiet) -> tuple[list[BootstrapCheck], list[Finding]]:
-    """Steps a and b: parse each address, then a timed TCP connect to each well-formed one (all at once)."""
-    checks = [parse_bootstrap(a) for a in addresses]
-    findings = [Finding(c.error, BAD_ADDRESS_FIX) for c in checks if c.error]
-    for c in checks:
-        if c.error:
-            report(f"address   {c.address}: BAD ({c.error})")
-    good = [c for c in checks if not c.error]
-    await asyncio.gather(*(_connect(c, timeout_s) for c in good))
-    for c in good:
-        if c.reachable:
-            report(f"bootstrap {c.host}:{c.port}: TCP connect {c.connect_ms:.0f} ms")
-        else:
-            report(f"bootstrap {c.host}:{c.port}: DOWN ({c.error})")
-            findings.append(Finding(f"bootstrap {c.host}:{c.port} refused a TCP connection ({c.error})", DOWN_FIX))
-    return checks, findings
-
-
-def tcp_port(maddr: str) -> int | None:
-    """The TCP port of a direct (not relayed) multiaddr; None for anything else."""
-    try:
-        parsed = Multiaddr(maddr)
-        names = [p.name for p in parsed.protocols()]
-        return int(parsed.value_for_protocol("tcp")) if "tcp" in names and "p2p-circuit" not in names else None
-    except Exception:
-        return None
-
-
 def _listen_report(node: SwarmNode, diagnosis: Diagnosis, report: Report) -> None:
     """Step e: our addresses, and the ports a bootstrap should be able to connect to."""
     diagnosis.listen_addrs = [m for m in node.visible_maddrs() if "/p2p-circuit" not in m]
@@ -206,7 +95,7 @@ def _listen_report(node: SwarmNode, diagnosis: Diagnosis, report: Report) -> Non
 async def _reach_all(node: SwarmNode, reachable: list[BootstrapCheck], diagnosis: Diagnosis, timeout_s: float,
                      report: Report) -> bool:
     """Step d, the dial-backs; True if at least one bootstrap answered the probe."""
-    answered, open_ports = False, set()
+    answered, open_ports = False, set[int]()
     for check in reachable:
         try:
             result = await probe.reach(node, check.peer_id, diagnosis.probed_ports, timeout_s)
@@ -266,7 +155,7 @@ def _reachability_findings(node: SwarmNode, diagnosis: Diagnosis, reachable: lis
     if diagnosis.reachability != UNREACHABLE:
         return
     remote = any(not b.loopback for b in reachable)
-    loopback_only = all(a.split("/")[2].startswith(_LOOPBACK) for a in diagnosis.listen_addrs if a.count("/") > 2)
+    loopback_only = all(a.split("/")[2].startswith(LOOPBACK) for a in diagnosis.listen_addrs if a.count("/") > 2)
     if remote and loopback_only:
         diagnosis.findings.append(Finding("listening on 127.0.0.1 only: no other host can dial this one",
                                           "pass --host 0.0.0.0 (and --port P with TCP port P open)"))
@@ -316,10 +205,10 @@ async def _spec(node: SwarmNode, run_id: str, diagnosis: Diagnosis, timeout_s: f
             summary.upload_s = summary.update_bytes / diagnosis.upload_bytes_per_s
     diagnosis.spec = summary
     line = f"run       '{run_id}': spec {spec_hash[:12]}"
-    if summary.params is not None:
-        approx = "" if summary.params_exact else "~"
-        line += (f", {approx}{summary.params / 1e6:.2f}M parameters, codec {summary.codec}, "
-                 f"{summary.update_bytes / 1e6:.2f} MB per outer update")
+    if sized is not None:
+        nbytes, params, exact, codec = sized
+        line += (f", {'' if exact else '~'}{params / 1e6:.2f}M parameters, codec {codec}, "
+                 f"{nbytes / 1e6:.2f} MB per outer update")
         if summary.upload_s is not None:
             line += f", {summary.upload_s:.1f}s to upload one"
     report(line)
@@ -332,7 +221,7 @@ async def _spec(node: SwarmNode, run_id: str, diagnosis: Diagnosis, timeout_s: f
 
 async def diagnose(node: SwarmNode, checks: list[BootstrapCheck], *, run_id: str = "default",
                    timeout_s: float = 10.0, relay_wait_s: float = 5.0, upload_bytes: int = 1 << 20,
-                   upload_tries: int = 2, report: Report = _quiet) -> Diagnosis:
+                   upload_tries: int = 2, report: Report = quiet) -> Diagnosis:
     """Steps d to g on a started node; the findings of `check_bootstraps` are the caller's to add."""
     diagnosis = Diagnosis(bootstraps=list(checks))
     reachable = [c for c in checks if c.reachable and c.peer_id]

@@ -31,10 +31,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgpack
+from hivemind.dht import DHT
+from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
+from p2p_diloco.net.transport.dht_process import await_mp
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.wire.envelope import sign_blob, verify_blob
 from p2p_diloco.wire.identity import Identity
@@ -202,7 +205,7 @@ async def list_peers(node: SwarmNode, run_id: str, timeout_s: float,
     return peers
 
 
-async def _validator_counts_coro(_dht: Any, dht_node: Any) -> dict[str, int]:
+async def _validator_counts_coro(_dht: DHT, dht_node: DHTNode) -> dict[str, int]:
     """Runs inside the DHT process: the rejection counts of our validator(s) there."""
     counts: Counter = Counter()
     composite = dht_node.protocol.record_validator
@@ -214,9 +217,7 @@ async def _validator_counts_coro(_dht: Any, dht_node: Any) -> dict[str, int]:
 
 async def validator_counts(node: SwarmNode, timeout_s: float = 10.0) -> dict[str, int]:
     """Records the DHT validator of this node refused (on store and on read), by reason."""
-    from p2p_diloco.net.transport.node import _await_mp  # the node's helper for hivemind futures
-
-    return await _await_mp(node.dht.run_coroutine(_validator_counts_coro, return_future=True), timeout_s)
+    return await await_mp(node.dht.run_coroutine(_validator_counts_coro, return_future=True), timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------- DHT validator
@@ -278,3 +279,10 @@ class PeerRecordValidator(RecordValidatorBase):
         self._spec_keys.update(other._spec_keys)
         self.counts.update(getattr(other, "counts", {}))
         return True
+
+
+async def read_run(node: SwarmNode, run_id: str, timeout_s: float) -> tuple[str | None, dict[str, dict]]:
+    """(the run's spec hash or None, every peer record of the run): what `status` and the status pages show."""
+    spec = await fetch_run_spec(node, run_id, timeout_s=timeout_s)
+    records = await list_peers(node, run_id, timeout_s=timeout_s)
+    return (spec[1] if spec else None), records

@@ -1,9 +1,11 @@
-"""What a peer tells the swarm about itself, and how we read and show it.
+"""What a peer tells the swarm about itself, and how we read it.
 
 A peer's DHT record (signed, expiring: see records.py) carries these fields besides those `announce_peer`
 fills in (peer_id, run_id, updated_at, expiration_time):
 
     maddrs                  where to dial it
+    reach                   public | private | unknown: whether others can dial it, as its own dial-back probe
+                            found (peer/reach.py); the views show this, never a guess from `maddrs`
     state                   "syncing" (joining) | "training" | "done" (finished its rounds, lingering) |
                             "left" (shut down cleanly)
     version_vector_total    updates merged into its replica (sum of its version vector)
@@ -21,7 +23,8 @@ fills in (peer_id, run_id, updated_at, expiration_time):
     shard, corpus           data shard and corpus fingerprint (peers on another corpus are flagged)
     member_proof            in a run with a secret: HMAC proof of the secret, bound to the PeerID (admission/policy.py)
     rejected_by             {reason: count} of everything it refused: updates (intake outcomes but merged and
-                            buffered) and network refusals (rate_limited, not_allowed, bad_chunk, slow_stream...)
+                            buffered) and network refusals (rate_limited, not_allowed, bad_chunk, slow_stream...);
+                            the views' `rejected` figure is its sum without honest duplicates (view/figures.py)
     offenders               its worst remotes: {peer_id: {reason: count}} (honest duplicates do not rank)
     banned                  senders it banned (equivocation, invalid or non-finite updates)
     dht_rejected            {reason: count} of peer records its DHT node refused (forged, malformed, oversize...)
@@ -31,7 +34,8 @@ Records come from the network: every reader treats every field as untrusted (`nu
 The optional fields (vv, offenders, dht_rejected, rejected_by) are dropped, in that order, when a record
 would not fit the DHT's size limit (`fit_record`).
 
-What the peer process writes for people (round lines, JSON log, final state) lives in peer/output.py.
+What the peer process writes for people (round lines, JSON log, final state) lives in peer/output.py; the
+`status` table in view/table.py.
 """
 
 from __future__ import annotations
@@ -87,15 +91,6 @@ def fit_record(record: dict, max_bytes: int) -> dict:
     return fitted
 
 
-def rejection_summary(record: Mapping[str, Any], top: int = 3) -> str:
-    """'total (reason n, ...)' of a record's rejections, for the status table."""
-    by_reason = counts(record, "rejected_by")
-    if not by_reason:
-        return "0"
-    head = ", ".join(f"{reason} {n}" for reason, n in list(by_reason.items())[:top])
-    return f"{sum(by_reason.values())} ({head})"
-
-
 def live(records: Mapping[str, dict]) -> dict[str, dict]:
     """Records of peers that have not announced that they left."""
     return {pid: r for pid, r in records.items() if text(r, "state") != "left"}
@@ -126,50 +121,3 @@ def swarm_samples_per_round(records: Mapping[str, dict], self_id: str, own_sampl
 def short_id(peer_id: str) -> str:
     """The distinguishing tail of a PeerID (every Ed25519 PeerID starts with 12D3KooW)."""
     return peer_id[-8:] if len(peer_id) > 8 else peer_id
-
-
-def _fmt(value: float | None, spec: str, empty: str = "-") -> str:
-    return empty if value is None else format(value, spec)
-
-
-def status_table(records: Mapping[str, dict], now: float | None = None) -> str:
-    """The `p2p-diloco status` table: one row per peer, freshest replica first."""
-    if now is None:
-        from hivemind.utils import get_dht_time  # hivemind is heavy; this module is imported by the CLI
-
-        now = get_dht_time()
-    header = ("peer", "state", "V", "seq", "round", "step", "samples/s", "loss", "eval", "tau", "age", "rejected",
-              "addrs")
-    rows = [header]
-    ordered = sorted(records.items(), key=lambda kv: -number(kv[1], "version_vector_total"))
-    for pid, r in ordered:
-        maddrs = r.get("maddrs") if isinstance(r.get("maddrs"), list) else []
-        addrs = ", ".join(str(m).split("/p2p/")[0] for m in maddrs[:2] if isinstance(m, str))
-        eval_loss = r.get("eval_loss")
-        rows.append((
-            pid, text(r, "state") or "?", str(int(number(r, "version_vector_total"))), str(int(number(r, "seq"))),
-            str(int(number(r, "round"))), str(int(number(r, "step"))), f"{number(r, 'samples_per_s'):.1f}",
-            _fmt(number(r, "loss", math.nan), ".3f") if r.get("loss") is not None else "-",
-            f"{number(r, 'eval_loss'):.3f}" if isinstance(eval_loss, (int, float)) else "-",
-            str(int(number(r, "tau"))), f"{max(0.0, now - number(r, 'updated_at', now)):.0f}s",
-            rejection_summary(r), addrs or "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
-def rejection_details(records: Mapping[str, dict]) -> str:
-    """Per peer: every rejection reason with its count, and its worst offenders (the `status` footer)."""
-    lines = []
-    for pid, r in sorted(records.items()):
-        by_reason = counts(r, "rejected_by")
-        dht = counts(r, "dht_rejected")
-        if not (by_reason or dht):
-            continue
-        lines.append(f"{short_id(pid)}: " + (", ".join(f"{k} {n}" for k, n in by_reason.items()) or "-")
-                     + (f"; dht records refused: {', '.join(f'{k} {n}' for k, n in dht.items())}" if dht else ""))
-        offenders = r.get("offenders") if isinstance(r.get("offenders"), dict) else {}
-        for offender, reasons in list(offenders.items())[:4]:
-            if isinstance(offender, str):
-                detail = ", ".join(f"{k} {n}" for k, n in counts({"x": reasons}, "x", limit=16).items())
-                lines.append(f"    from {short_id(offender)}: {detail}")
-    return "\n".join(lines)

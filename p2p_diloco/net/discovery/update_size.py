@@ -1,7 +1,7 @@
 """How big a run's outer update is, from its published spec alone (no torch, no model built): for `doctor`'s
 "seconds to upload one update at the measured rate".
 
-The built-in GPT's parameter count is exact (train/model.py: tied embeddings, 4 x n_embd MLP, biases, LayerNorms);
+The built-in GPT's parameter count is exact (train/models/gpt.py: tied embeddings, 4 x n_embd MLP, biases, LayerNorms);
 a Hugging Face family's is estimated from its config (embeddings, attention with grouped KV heads, gated MLP),
 close enough for a bandwidth estimate. Payload sizes follow wire/codecs.py `Codec.payload_bytes`.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 
 ENVELOPE_OVERHEAD_BYTES = 400
 """Header, signature and msgpack framing around the payload (wire/envelope.py), rounded up."""
@@ -25,7 +24,7 @@ def _int(d: dict, *keys: str, default: int = 0) -> int:
 
 
 def gpt_params(n_layer: int, n_embd: int, block_size: int, vocab_size: int) -> int:
-    """Exact parameter count of the built-in GPT (train/model.py)."""
+    """Exact parameter count of the built-in GPT (train/models/gpt.py)."""
     d = n_embd
     per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
     return vocab_size * d + block_size * d + n_layer * per_block + 2 * d
@@ -47,7 +46,7 @@ def _hf_params(model: dict, hf: dict) -> int:
     return vocab * d * (1 if tied else 2) + layers * (attention + 3 * d * ffn + 2 * d) + d
 
 
-def model_params(model: Any) -> tuple[int, bool] | None:
+def model_params(model: object) -> tuple[int, bool] | None:
     """(parameter count, exact?) of a spec's `model` section (a dict, as published); None if it names too little."""
     if not isinstance(model, dict):
         return None
@@ -81,7 +80,7 @@ def payload_bytes(codec: str, numel: int, block: int = 256) -> int | None:
     return None
 
 
-def update_bytes(spec: Any) -> tuple[int, int, bool, str] | None:
+def update_bytes(spec: object) -> tuple[int, int, bool, str] | None:
     """(bytes of one outer update on the wire, parameters, exact?, codec) of a published spec dict, or None."""
     if not isinstance(spec, dict) or not isinstance(spec.get("outer"), dict):
         return None

@@ -1,4 +1,4 @@
-"""Equivocation evidence: spread it, check it, ban on it (ARCHITECTURE.md "The merge rule"; issue 5).
+"""Equivocation evidence: spread it, check it, ban on it (ARCHITECTURE.md "The merge rule").
 
 Equivocation is a sender signing two different updates for one (sender, seq). The peer whose intake sees it
 bans the sender at once and keeps the proof, the two signed envelopes (`Intake.evidence`); gossip hands it to
@@ -31,13 +31,14 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgpack
 
+from p2p_diloco.net.admission.guard import PeerGuard
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.evidence import decode_evidence, encode_evidence
+from p2p_diloco.sync.intake import Intake
 from p2p_diloco.wire.envelope import WireError
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ def accused_of(envelope: bytes) -> str | None:
 class EvidenceRelay:
     """Serves the evidence RPC and pushes evidence to peers. `await start()`; always `await stop()`."""
 
-    def __init__(self, node: SwarmNode, run_id: str, intake: Any, peers: Callable[[], Sequence[str]], guard: Any,
-                 *, fanout: int, timeout_s: float) -> None:
+    def __init__(self, node: SwarmNode, run_id: str, intake: Intake, peers: Callable[[], Sequence[str]],
+                 guard: PeerGuard | None, *, fanout: int, timeout_s: float) -> None:
         """`intake` checks evidence and bans (`accept_evidence`); `peers` returns live member peer ids."""
         self.node = node
         self.run_id = run_id

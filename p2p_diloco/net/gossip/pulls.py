@@ -4,15 +4,17 @@ time per remote, and every update a pull brings through the intake.
 `Puller` keeps the wishes and backoffs in `PullSlots` (net/gossip/slots.py: who gets a slot, by track record),
 runs at most `max_concurrent_pulls` pulls, asks each remote only beyond what the pulls started before it will
 bring (`claims`), remembers remotes whose last pull brought nothing (`dry`), and ends a pull at the first
-update no honest peer sends. `Gossip` owns it and starts it; both share one `stats` dict and one `FailureLog`.
+update no honest peer sends. `Gossip` owns it and starts it; the gossip's parts share one `stats` dict and one
+`FailureLog`.
 
-Track record (issue 16), in the guard's ledger (net/admission/ledger.py; a Puller without a guard keeps its
-own): a pull that brought updates records `gave` against its remote for each one kept (merged or buffered)
-that vetting did not refuse (`_earned`); a failure records its kind (timeout, for a slow stream too;
-refused; error, for a broken stream; invalid, with the penalty; empty, for a pull that brought nothing of what
-the remote claimed: a forced pull, anti-entropy's, claims nothing). Every failure but invalid data (which the
-guard's penalty covers) and every empty pull makes the remote back off. A pull from a remote that never gave
-us anything (probation) must bring each part of its answer within `probation_timeout_s`.
+Track record (ARCHITECTURE.md "The network", open runs), in the guard's ledger (net/admission/ledger.py; a
+Puller without a guard keeps its own): a pull that brought updates records `gave` against its remote for each
+one kept (merged or buffered) that vetting did not refuse (`_earned`); a failure records its kind (timeout,
+for a slow stream too; refused; error, for a broken stream; invalid, with the penalty; empty, for a pull that
+brought nothing of what the remote claimed: a forced pull, anti-entropy's, claims nothing). Every failure but
+invalid data (which the guard's penalty covers) and every empty pull makes the remote back off. A pull from a
+remote that never gave us anything (probation) must bring each part of its answer within
+`probation_timeout_s`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from typing import Any
 
 from p2p_diloco.config.admission import RateLimitConfig
+from p2p_diloco.net.admission.guard import PeerGuard
 from p2p_diloco.net.admission.ledger import Ledger
 from p2p_diloco.net.gossip.digests import request_digests
 from p2p_diloco.net.gossip.messages import (
@@ -39,9 +41,10 @@ from p2p_diloco.net.gossip.messages import (
 )
 from p2p_diloco.net.gossip.slots import MAX_WANTED_PEERS, PullSlots
 from p2p_diloco.net.transport import rpc
+from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
-from p2p_diloco.sync.replica import MergeOutcome
 from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import OuterUpdate
 
@@ -66,7 +69,7 @@ class FailureLog:
     """Counts a remote's failures against it (with the guard) and logs them at most once per peer per
     `interval_s`."""
 
-    def __init__(self, guard: Any, interval_s: float) -> None:
+    def __init__(self, guard: PeerGuard | None, interval_s: float) -> None:
         self.guard, self.interval_s = guard, interval_s
         self._logged_at: dict[str, float] = {}
 
@@ -85,10 +88,10 @@ class FailureLog:
 
 
 class Puller:
-    """Pull scheduling and the pulls themselves, on the gossip's loop. `running` is set by `Gossip`."""
+    """Pull scheduling and the pulls themselves, on the gossip's loop, between `start()` and `halt()`."""
 
-    def __init__(self, node: Any, pull_name: str, intake: Intake, store: UpdateStore, config: GossipConfig, *,
-                 guard: Any, stats: dict[str, int], failures: FailureLog, rng: random.Random,
+    def __init__(self, node: SwarmNode, pull_name: str, intake: Intake, store: UpdateStore, config: GossipConfig, *,
+                 guard: PeerGuard | None, stats: dict[str, int], failures: FailureLog, rng: random.Random,
                  on_evidence: Callable[[bytes, bytes], None] | None, on_brought: Callable[[str], None]) -> None:
         """`on_brought(peer)` runs after a pull from `peer` that brought anything new (Gossip re-announces)."""
         self.node, self.pull_name, self.intake, self.store, self.config = node, pull_name, intake, store, config
@@ -97,7 +100,7 @@ class Puller:
         self.limits = guard.limits if guard is not None else RateLimitConfig()
         self.ledger: Ledger = guard.ledger if guard is not None else Ledger()
         self.slots = PullSlots(config.max_concurrent_pulls, self.limits.probation_pulls)
-        self.running = False
+        self._running = False
         self.tasks: dict[str, asyncio.Task] = {}  # remote -> its pull task
         self._wake: asyncio.TimerHandle | None = None  # start_pulls when the first backoff of a wish ends
         # remote -> the vector its running pull is expected to bring us up to. Concurrent pulls from other
@@ -107,6 +110,23 @@ class Puller:
         # remote -> its vector when a pull from it brought nothing we could use (e.g. it merged one of our holes
         # and cannot serve it): not asked again until its vector changes, or by anti-entropy
         self._dry: OrderedDict[str, VersionVector] = OrderedDict()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self) -> None:
+        """Pulls may start (`Gossip.start` calls it once it serves its RPCs)."""
+        self._running = True
+
+    def halt(self) -> list[asyncio.Task]:
+        """No pull starts any more, and the running ones are cancelled; returns their tasks, for the caller to
+        wait on before `clear()`."""
+        self._running = False
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        return tasks
 
     def clear(self) -> None:
         self.slots.clear()
@@ -236,7 +256,10 @@ class Puller:
         """A kept update counts as a gift unless vetting refused it (sync/standing.py): a signed update under a
         fresh key is free to make, and one the merge gave no weight must not buy its relay pull slots."""
         standing = self.intake.replica.standing
-        return standing is None or (sender not in standing.distrusted and sender not in standing.strikes)
+        if standing is None:
+            return True
+        authors = standing.authors  # what the replica remembers of each author (sync/authors.py)
+        return sender not in authors.distrusted and sender not in authors.strikes
 
     def _rejected(self, peer: str, outcome: str, update: OuterUpdate | None) -> None:
         """Count an update we did not keep against the remote that sent it; stop listening to a hostile one."""
@@ -291,6 +314,6 @@ class Puller:
             self.slots.failed(peer, time.monotonic(), grow=not (kind == "refused" and self.ledger.is_contributor(peer)))
 
 
-def min_bytes_per_s(guard: Any) -> float:
+def min_bytes_per_s(guard: PeerGuard | None) -> float:
     """The pace every pull stream must keep, in both directions (0: none without a guard)."""
     return guard.limits.min_stream_bytes_per_s if guard is not None else 0.0

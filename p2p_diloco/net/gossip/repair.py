@@ -1,4 +1,4 @@
-"""Replica repair on the real network (ARCHITECTURE.md "The network" (repair); issue 4's second trap).
+"""Replica repair on the real network (ARCHITECTURE.md "The network" (repair)).
 
 The case: our replica merged an update `(sender, seq)` that other peers skipped (their gap waited out
 `gap_timeout_s`: nobody served it), and we can no longer serve it ourselves: we restarted (our store is empty)
@@ -16,7 +16,7 @@ member's vector to `observe`, which picks the holes that name updates we merged 
 2. Quorum: at least as many of the member peers skipped it as merged it, counting our own merge and the
    members whose vectors we do not know as mergers (`skipped_by_quorum`). A lone peer that claims a hole
    cannot make a swarm whose other members merged the update adopt its state, and two sides that see
-   different votes never both yield. Members are *proven* (issue 16): peers whose own updates merged here
+   different votes never both yield. Members are *proven* ("Who counts"): peers whose own updates merged here
    recently in good standing (sync/standing.py `Standing.proven`), never a bare DHT record, which any fresh
    identity can write; a claim from anyone else starts nothing. So a crowd can neither outvote the swarm
    nor widen `max_differ` (below), and every donor has contributed.
@@ -53,13 +53,16 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
+from p2p_diloco.config.network import StateSyncConfig
+from p2p_diloco.net.admission.guard import PeerGuard
+from p2p_diloco.net.transport.node import SwarmNode
+from p2p_diloco.sync.quorum import merged_by_quorum, skipped_by_quorum
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.store import UpdateStore
-from p2p_diloco.sync.version_vector import VersionVector, merged_by_quorum, skipped_by_quorum
+from p2p_diloco.sync.version_vector import VersionVector
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +83,9 @@ _STATS = ("repairs", "repair_attempts", "repair_failures", "repairs_refused", "r
 class Repair:
     """Adopts a skipping peer's state when our replica holds an update nobody else can get (see module doc)."""
 
-    def __init__(self, node: Any, run_id: str, spec_hash: str, replica: Replica, store: UpdateStore,
-                 sync_config: Any, *, known: Callable[[], dict[str, VersionVector]],
-                 members: Callable[[], Sequence[str]], guard: Any = None, grace_s: float = 15.0,
+    def __init__(self, node: SwarmNode, run_id: str, spec_hash: str, replica: Replica, store: UpdateStore,
+                 sync_config: StateSyncConfig, *, known: Callable[[], dict[str, VersionVector]],
+                 members: Callable[[], Sequence[str]], guard: PeerGuard | None = None, grace_s: float = 15.0,
                  cooldown_s: float = 10.0, on_repaired: Callable[[dict], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`known()`: the last vector each remote sent us (Gossip.known_vectors); `members()`: the ids whose votes
@@ -161,6 +164,16 @@ class Repair:
         self._task = asyncio.create_task(
             self._repair(donors[:MAX_DONORS], chosen, vectors, len(members), skipped_here), name="replica-repair")
 
+    def _refused(self, donor: str, why: str) -> None:
+        """The check before adopting `donor`'s snapshot refused it; a bound exceeded is the donor's fault."""
+        if why.startswith("bound"):
+            if self.guard is not None and self.replica.policy.deterministic:
+                self.guard.count(donor, "repair_bound")  # honest replicas never differ by more
+                self.guard.penalize(donor, "repair_bound")
+            self._not_repaired("repairs_refused", f"snapshot of {donor} refused: {why}")
+        else:
+            self._not_repaired("repairs_deferred", f"snapshot of {donor} not adopted now: {why}")
+
     async def _repair(self, donors: list[str], chosen: list[tuple[str, int]], vectors: dict[str, VersionVector],
                       n_members: int, skipped_here: bool) -> None:
         from p2p_diloco.net.statesync.client import StateSyncError, fetch_snapshot
@@ -196,13 +209,7 @@ class Repair:
             logger.exception("repair: adopting failed")
             return
         if isinstance(summary, str):  # not now: the check that refused it says why
-            if summary.startswith("bound"):
-                if self.guard is not None and self.replica.policy.deterministic:
-                    self.guard.count(donor, "repair_bound")  # honest replicas never differ by more
-                    self.guard.penalize(donor, "repair_bound")
-                self._not_repaired("repairs_refused", f"snapshot of {donor} refused: {summary}")
-            else:
-                self._not_repaired("repairs_deferred", f"snapshot of {donor} not adopted now: {summary}")
+            self._refused(donor, summary)
             return
         for item in chosen:
             self._since.pop(item, None)

@@ -1,4 +1,4 @@
-"""Who gets the next pull slot (issue 16: pull slots by track record). Pure: no asyncio, `now` passed in.
+"""Who gets the next pull slot (by track record: ARCHITECTURE.md "Who counts"). Pure: no asyncio, `now` passed in.
 
 An announce is a hint, not a claim on a slot. `PullSlots` keeps the wishes (what each remote said it holds;
 a wish keeps its place when the remote announces again, its vectors merged) and each remote's backoff, and

@@ -1,18 +1,7 @@
 """State sync: a joiner fetches a verified snapshot of (theta, V) from a donor (ARCHITECTURE.md,
 "The network").
 
-Protocol: two RPCs per run on the donor's P2P replica (the donor's side: net/statesync/server.py).
-
-  manifest  "p2p-diloco/<run_id>/manifest"
-      request  = msgpack {"run_id", "spec_hash", "numel"}      the joiner's own (a mismatch is refused, saying so)
-      response = msgpack {"m": manifest_bytes, "s": sign_blob(donor identity, MANIFEST_DOMAIN, manifest_bytes)}
-      manifest = msgpack {run_id, spec_hash, donor, snapshot_id, created_at, numel, dtype: "float32",
-                          chunk_bytes, version_vector: {sender: seq}, chunk_digests: [sha256 of each chunk],
-                          version_vector_holes: {sender: [seq, ...]} (optional: the seqs below an entry that
-                          the snapshot has not merged)}
-  chunk     "p2p-diloco/<run_id>/chunk"
-      request  = msgpack {"snapshot_id", "index"}
-      response = bytes [index * chunk_bytes, (index + 1) * chunk_bytes) of theta as little-endian float32
+Protocol and manifest: net/statesync/manifest.py (the donor's side: net/statesync/server.py).
 
 The joiner trusts nothing it has not checked, and never loads a snapshot it could not verify: the manifest's
 signature against the donor's PeerID (the one libp2p authenticated for the stream), its run id, spec hash and
@@ -32,33 +21,24 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 import numpy as np
 import torch
 
-from p2p_diloco.config.network import MAX_CHUNK_BYTES, StateSyncConfig
+from p2p_diloco.config.network import StateSyncConfig
+from p2p_diloco.net.admission.guard import PeerGuard
+from p2p_diloco.net.statesync.manifest import DonorError, Manifest, chunk_name, manifest_name, parse_manifest
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
-from p2p_diloco.sync.standing import MAX_INHERITED
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.wire.envelope import verify_blob
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_DOMAIN = b"p2p-diloco/manifest/v1"
-MAX_REQUEST_BYTES = 1024
-_DIGEST_BYTES = 32
-_SIGNATURE_BYTES = 64
-_MANIFEST_KEYS = {"run_id", "spec_hash", "donor", "snapshot_id", "created_at", "numel", "dtype", "chunk_bytes",
-                  "version_vector", "chunk_digests"}
-_OPTIONAL_KEYS = {"version_vector_holes", "standing"}
 _PROGRESS_LOG_S = 5.0
 BUSY_WAIT_S = 120.0
 """How long one chunk may be refused as busy (retried with 0.5-8 s backoff) before the donor is dropped."""
@@ -68,114 +48,13 @@ class StateSyncError(RuntimeError):
     """No donor could serve a verified snapshot; the message lists each donor tried and why it was dropped."""
 
 
-class DonorError(Exception):
-    """One donor served something unverifiable; the joiner moves on to the next donor. `reason` is counted:
-    bad_manifest, bad_chunk or nonfinite_chunk."""
-
-    def __init__(self, message: str, reason: str = "bad_manifest") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def manifest_name(run_id: str) -> str:
-    return f"p2p-diloco/{run_id}/manifest"
-
-
-def chunk_name(run_id: str) -> str:
-    return f"p2p-diloco/{run_id}/chunk"
-
-
-def _unpack(data: bytes, what: str, **limits: int) -> Any:
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, **limits)
-    except Exception as e:  # msgpack raises a zoo of types on garbage
-        raise ValueError(f"malformed {what}: {type(e).__name__}: {e}") from None
-
-
-def _check_host() -> None:
+def check_host() -> None:
+    """State sync sends theta as little-endian float32: refuse on a big-endian host."""
     if sys.byteorder != "little":
         raise StateSyncError("state sync sends theta as little-endian float32; this host is big-endian")
 
 
 # ---------------------------------------------------------------------------------------------- joiner
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A verified manifest."""
-
-    donor: str
-    snapshot_id: str
-    created_at: float
-    chunk_bytes: int
-    chunk_digests: tuple[bytes, ...]
-    version_vector: VersionVector
-    trusted: tuple[str, ...] = ()  # the donor's authors in good standing (sync/standing.py `inherit`)
-    distrusted: tuple[str, ...] = ()
-
-
-def parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str, numel: int,
-                   max_manifest_bytes: int) -> Manifest:
-    """Verify a manifest response from `donor`; DonorError saying what is wrong with it."""
-    try:
-        return _parse_manifest(response, donor=donor, run_id=run_id, spec_hash=spec_hash, numel=numel,
-                               max_manifest_bytes=max_manifest_bytes)
-    except RecursionError:  # ~1000 nested arrays where a scalar belongs: formatting or parsing it recurses
-        raise DonorError("manifest refused: a field is nested too deeply") from None
-
-
-def _parse_manifest(response: bytes, *, donor: str, run_id: str, spec_hash: str, numel: int,
-                    max_manifest_bytes: int) -> Manifest:
-    if len(response) > max_manifest_bytes:
-        raise DonorError(f"manifest is {len(response)} bytes, limit {max_manifest_bytes}")
-    try:
-        outer = _unpack(response, "manifest envelope", max_array_len=0, max_map_len=2)
-        if not isinstance(outer, dict) or set(outer) != {"m", "s"} or not isinstance(outer["m"], bytes):
-            raise ValueError("manifest envelope must be {m: bytes, s: bytes}")
-    except ValueError as e:
-        raise DonorError(str(e)) from None
-    manifest_bytes, signature = outer["m"], outer["s"]
-    if not (isinstance(signature, bytes) and len(signature) == _SIGNATURE_BYTES
-            and verify_blob(donor, MANIFEST_DOMAIN, manifest_bytes, signature)):
-        raise DonorError("bad manifest signature (not signed by the donor)")
-    try:
-        m = _unpack(manifest_bytes, "manifest", max_bin_len=_DIGEST_BYTES)
-        if not isinstance(m, dict) or not _MANIFEST_KEYS <= set(m) <= _MANIFEST_KEYS | _OPTIONAL_KEYS:
-            raise ValueError(f"manifest keys must be {sorted(_MANIFEST_KEYS)} (and {sorted(_OPTIONAL_KEYS)})")
-    except ValueError as e:
-        raise DonorError(str(e)) from None
-
-    def expect(ok: bool, why: str) -> None:
-        if not ok:
-            raise DonorError(f"manifest refused: {why}")
-
-    expect(m["run_id"] == run_id, f"run {str(m['run_id'])[:64]!r}, ours is {run_id!r}")
-    expect(m["spec_hash"] == spec_hash, f"spec hash {str(m['spec_hash'])[:16]}, ours is {spec_hash[:16]}")
-    expect(m["donor"] == donor, "it names another donor")
-    expect(type(m["numel"]) is int and m["numel"] == numel, f"numel {str(m['numel'])[:24]}, ours is {numel}")
-    expect(m["dtype"] == "float32", f"dtype {str(m['dtype'])[:16]!r}, expected 'float32'")
-    chunk_bytes = m["chunk_bytes"]
-    expect(type(chunk_bytes) is int and 0 < chunk_bytes <= MAX_CHUNK_BYTES and chunk_bytes % 4 == 0,
-           f"chunk_bytes must be a multiple of 4 in (0, {MAX_CHUNK_BYTES}]")
-    digests = m["chunk_digests"]
-    n_chunks = math.ceil(numel * 4 / chunk_bytes)
-    expect(isinstance(digests, list) and len(digests) == n_chunks,
-           f"{len(digests) if isinstance(digests, list) else '?'} chunk digests, {n_chunks} expected")
-    expect(all(isinstance(d, bytes) and len(d) == _DIGEST_BYTES for d in digests), "chunk digests must be sha256")
-    snapshot_id = m["snapshot_id"]
-    expect(isinstance(snapshot_id, str) and 0 < len(snapshot_id) <= 64, "bad snapshot_id")
-    expect(type(m["created_at"]) in (int, float) and math.isfinite(m["created_at"]), "bad created_at")
-    try:
-        vv = VersionVector.from_dict(m["version_vector"], holes=m.get("version_vector_holes"))
-    except ValueError as e:
-        raise DonorError(f"manifest refused: bad version vector: {e}") from None
-    standing = m.get("standing", {})
-    expect(isinstance(standing, dict) and set(standing) <= {"good", "distrusted"}
-           and all(isinstance(v, list) and len(v) <= MAX_INHERITED and all(isinstance(p, str) and 0 < len(p) <= 128
-                                                                          for p in v) for v in standing.values()),
-           f"standing must be {{good, distrusted}}: lists of at most {MAX_INHERITED} PeerIDs")
-    return Manifest(donor, snapshot_id, float(m["created_at"]), chunk_bytes, tuple(digests), vv,
-                    tuple(standing.get("good", ())), tuple(standing.get("distrusted", ())))
 
 
 _UNVERIFIABLE = ("bad_manifest", "bad_chunk", "nonfinite_chunk")
@@ -190,7 +69,7 @@ def _failure_reason(error: BaseException) -> str:
 
 
 async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: Sequence[str], numel: int,
-                         config: StateSyncConfig, *, guard: Any = None,
+                         config: StateSyncConfig, *, guard: PeerGuard | None = None,
                          on_progress: Callable[[int, int], None] | None = None,
                          on_manifest: Callable[[Manifest], None] | None = None,
                          ) -> tuple[torch.Tensor, VersionVector, str]:
@@ -204,7 +83,7 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
     manifest of the snapshot returned (e.g. the donor's standing, to inherit).
     """
     config.validate()
-    _check_host()
+    check_host()
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
     failures: list[str] = []
@@ -215,36 +94,19 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
         if skip:
             failures.append(f"{donor}: skipped ({skip})")
             continue
-        # A fresh buffer per donor: a dropped donor's verify-and-copy thread may still be running (cancelling
-        # its task does not stop the thread) and must not write into the next donor's snapshot.
-        theta = torch.empty(numel, dtype=torch.float32)  # our numel: never allocate what a remote declares
-        buffer = memoryview(theta.numpy()).cast("B")
         started = time.monotonic()
         try:
-            manifest = parse_manifest(
-                await rpc.call(node.p2p, donor, manifest_name(run_id),
-                               msgpack.packb({"run_id": run_id, "spec_hash": spec_hash, "numel": numel}),
-                               max_response_bytes=config.max_manifest_bytes, timeout_s=config.timeout_s),
-                donor=donor, run_id=run_id, spec_hash=spec_hash, numel=numel,
-                max_manifest_bytes=config.max_manifest_bytes)
-            await _fetch_chunks(node, run_id, manifest, buffer, config, on_progress)  # each chunk verified, finite
+            theta, manifest = await _fetch_from(node, donor, run_id, spec_hash, numel, config, on_progress)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # DonorError, RpcError, or anything else a remote could provoke
-            why = str(e) if isinstance(e, (DonorError, rpc.RpcError)) else f"{type(e).__name__}: {e}"
-            reason = _failure_reason(e)
-            logger.warning("state sync donor dropped donor=%s reason=%s detail=%s", donor, reason, why)
-            failures.append(f"{donor}: {why}")
-            if guard is not None:
-                guard.count(donor, reason)
-                if reason in _UNVERIFIABLE:
-                    guard.penalize(donor, reason)
+            failures.append(f"{donor}: {_donor_failed(donor, e, guard)}")
             continue
-        elapsed_s = time.monotonic() - started
+        elapsed_s, nbytes = time.monotonic() - started, theta.numel() * theta.element_size()
         if guard is not None:  # it gave us a verified state: a contributor (net/admission/ledger.py)
-            guard.ledger.gave_snapshot(donor, len(buffer))
+            guard.ledger.gave_snapshot(donor, nbytes)
         logger.info("state sync done donor=%s numel=%d updates=%d took_s=%.2f mb_per_s=%.1f", donor, numel,
-                    manifest.version_vector.total(), elapsed_s, len(buffer) / 1e6 / max(elapsed_s, 1e-9))
+                    manifest.version_vector.total(), elapsed_s, nbytes / 1e6 / max(elapsed_s, 1e-9))
         if on_manifest is not None:
             on_manifest(manifest)
         return theta, manifest.version_vector, donor
@@ -253,12 +115,49 @@ async def fetch_snapshot(node: SwarmNode, run_id: str, spec_hash: str, donors: S
     raise StateSyncError(f"no donor served a verified snapshot ({len(failures)} tried): " + "; ".join(failures))
 
 
+async def _fetch_from(node: SwarmNode, donor: str, run_id: str, spec_hash: str, numel: int, config: StateSyncConfig,
+                      on_progress: Callable[[int, int], None] | None) -> tuple[torch.Tensor, Manifest]:
+    """`donor`'s manifest and every chunk of its snapshot, each verified (digest, finite) as it arrives."""
+    # A fresh buffer per donor: a dropped donor's verify-and-copy thread may still be running (cancelling
+    # its task does not stop the thread) and must not write into the next donor's snapshot.
+    theta = torch.empty(numel, dtype=torch.float32)  # our numel: never allocate what a remote declares
+    buffer = theta.numpy().data.cast("B")
+    manifest = parse_manifest(
+        await rpc.call(node.p2p, donor, manifest_name(run_id),
+                       msgpack.packb({"run_id": run_id, "spec_hash": spec_hash, "numel": numel}),
+                       max_response_bytes=config.max_manifest_bytes, timeout_s=config.timeout_s),
+        donor=donor, run_id=run_id, spec_hash=spec_hash, numel=numel,
+        max_manifest_bytes=config.max_manifest_bytes)
+    await _fetch_chunks(node, run_id, manifest, buffer, config, on_progress)
+    return theta, manifest
+
+
+def _donor_failed(donor: str, error: Exception, guard: PeerGuard | None) -> str:
+    """Log a dropped donor and count it (penalized if it served anything unverifiable); returns why."""
+    why = str(error) if isinstance(error, (DonorError, rpc.RpcError)) else f"{type(error).__name__}: {error}"
+    reason = _failure_reason(error)
+    logger.warning("state sync donor dropped donor=%s reason=%s detail=%s", donor, reason, why)
+    if guard is not None:
+        guard.count(donor, reason)
+        if reason in _UNVERIFIABLE:
+            guard.penalize(donor, reason)
+    return why
+
+
+@dataclass
+class _Progress:
+    """The chunks' workers' shared count of verified bytes, and when it was last logged."""
+
+    logged_at: float
+    bytes_done: int = 0
+
+
 async def _fetch_chunks(node: SwarmNode, run_id: str, manifest: Manifest, buffer: memoryview,
                         config: StateSyncConfig, on_progress: Callable[[int, int], None] | None = None) -> None:
     """Fetch every chunk with `parallel_chunks` in flight, verify it and copy it into `buffer`."""
     total, size = len(buffer), manifest.chunk_bytes
     indices = iter(range(len(manifest.chunk_digests)))  # shared: each index goes to exactly one worker
-    progress = {"bytes": 0, "logged_at": time.monotonic()}
+    progress = _Progress(logged_at=time.monotonic())
 
     async def worker() -> None:
         for index in indices:
@@ -272,13 +171,13 @@ async def _fetch_chunks(node: SwarmNode, run_id: str, manifest: Manifest, buffer
             if problem:
                 reason = "nonfinite_chunk" if "non-finite" in problem else "bad_chunk"
                 raise DonorError(f"chunk {index} {problem}", reason)
-            progress["bytes"] += length
+            progress.bytes_done += length
             if on_progress is not None:
-                on_progress(progress["bytes"], total)
-            if time.monotonic() - progress["logged_at"] > _PROGRESS_LOG_S:
-                progress["logged_at"] = time.monotonic()
+                on_progress(progress.bytes_done, total)
+            if time.monotonic() - progress.logged_at > _PROGRESS_LOG_S:
+                progress.logged_at = time.monotonic()
                 logger.info("state sync progress donor=%s done_mb=%.0f total_mb=%.0f", manifest.donor,
-                            progress["bytes"] / 1e6, total / 1e6)
+                            progress.bytes_done / 1e6, total / 1e6)
 
     workers = [asyncio.create_task(worker()) for _ in range(min(config.parallel_chunks, len(manifest.chunk_digests)))]
     try:

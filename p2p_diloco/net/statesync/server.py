@@ -30,19 +30,14 @@ from typing import Any
 import msgpack
 import torch
 
-from p2p_diloco.net.statesync.client import (
-    MANIFEST_DOMAIN,
-    MAX_REQUEST_BYTES,
-    StateSyncConfig,
-    _check_host,
-    _unpack,
-    chunk_name,
-    manifest_name,
-)
+from p2p_diloco.config.network import StateSyncConfig
+from p2p_diloco.net.admission.guard import PeerGuard
+from p2p_diloco.net.statesync.client import check_host
+from p2p_diloco.net.statesync.manifest import MANIFEST_DOMAIN, MAX_REQUEST_BYTES, chunk_name, manifest_name, unpack
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
+from p2p_diloco.sync.authors import MAX_INHERITED
 from p2p_diloco.sync.replica import Replica
-from p2p_diloco.sync.standing import MAX_INHERITED
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import sign_blob
 from p2p_diloco.wire.identity import Identity
@@ -72,11 +67,11 @@ class SnapshotServer:
     """
 
     def __init__(self, node: SwarmNode, run_id: str, spec_hash: str, replica: Replica, identity: Identity,
-                 config: StateSyncConfig, *, guard: Any = None):
+                 config: StateSyncConfig, *, guard: PeerGuard | None = None):
         """`guard` (a PeerGuard) decides who is served, how often and how much."""
         if identity.peer_id != node.peer_id:
             raise ValueError(f"identity {identity.peer_id} is not this node's ({node.peer_id})")
-        _check_host()
+        check_host()
         self.node = node
         self.run_id = run_id
         self.spec_hash = spec_hash
@@ -119,7 +114,7 @@ class SnapshotServer:
 
     async def rpc_manifest(self, request: bytes, caller: str) -> bytes:
         try:
-            self._check_request(_unpack(request, "manifest request", max_bin_len=0, max_array_len=0))
+            self._check_request(unpack(request, "manifest request", max_bin_len=0, max_array_len=0))
         except (ValueError, rpc.RpcError) as e:
             self.stats["refused"] += 1
             raise rpc.RpcError(str(e)) from None
@@ -135,7 +130,7 @@ class SnapshotServer:
 
     async def rpc_chunk(self, request: bytes, caller: str) -> bytes:
         try:
-            message = _unpack(request, "chunk request", max_bin_len=0, max_array_len=0)
+            message = unpack(request, "chunk request", max_bin_len=0, max_array_len=0)
             snapshot_id, index = message["snapshot_id"], message["index"]
             if not isinstance(snapshot_id, str) or type(index) is not int:
                 raise ValueError("snapshot_id must be a str and index an int")
@@ -223,7 +218,7 @@ class SnapshotServer:
 
     def _build_snapshot(self) -> _Snapshot:
         theta, vv = self._state()
-        data = memoryview(theta.numpy()).cast("B")
+        data = theta.numpy().data.cast("B")
         size = self.config.chunk_bytes
         digests = [hashlib.sha256(data[i:i + size]).digest() for i in range(0, len(data), size)]
         snapshot_id = secrets.token_hex(16)

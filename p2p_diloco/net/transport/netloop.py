@@ -15,18 +15,23 @@ import os
 import threading
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+from hivemind.dht import DHT
+from hivemind.dht.node import DHTNode
 
 from p2p_diloco.net.transport.node import SwarmNode
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Stopped(Exception):
     """The peer was asked to stop (Ctrl-C, SIGTERM) while the compute thread waited on the loop."""
 
 
-async def _exit_with_parent(_dht: Any, dht_node: Any, parent_pid: int) -> None:
+async def _exit_with_parent(_dht: DHT, dht_node: DHTNode, parent_pid: int) -> None:
     """Runs inside hivemind's DHT process: if our process dies without shutting it down (SIGKILL, OOM), take
     p2pd down and exit, instead of lingering as an orphan that holds the identity and the port."""
     try:
@@ -56,10 +61,11 @@ class NetLoop:
         self.thread = threading.Thread(target=self.loop.run_forever, name="p2p-diloco-net", daemon=True)
         self.thread.start()
 
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def wait(self, coro_or_future: Any, stop: threading.Event | None = None, timeout_s: float | None = None) -> Any:
+    def wait(self, coro_or_future: Coroutine[Any, Any, T] | concurrent.futures.Future[T],
+             stop: threading.Event | None = None, timeout_s: float | None = None) -> T:
         future = coro_or_future if isinstance(coro_or_future, concurrent.futures.Future) \
             else self.submit(coro_or_future)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -1,10 +1,10 @@
-"""SwarmNode: one hivemind DHT (in its own process) plus a P2P replica in the caller's event loop.
+"""SwarmNode: one hivemind DHT (in its own process) plus a P2P replica in the caller's event loop, and what it
+is told (`NodeConfig`, checked multiaddrs, `NodeError`).
 
-hivemind runs the DHT in a forked process with its own event loop; `DHT.get/store` talk to it over a pipe and
-return `MPFuture`s. We never call the blocking forms from our loop: every DHT call goes through
-`return_future=True` + `asyncio.wrap_future` under `asyncio.wait_for`, and the DHT start (fork + bootstrap) runs
-in a worker thread. Our own stream handlers live on a P2P replica: a second client of the same libp2p daemon,
-so it shares the DHT's PeerID and listen addresses (hivemind's `DHT.replicate_p2p`, minus its blocking call).
+The DHT runs in a forked process (net/transport/dht_process.py: starting, stopping and calling into it without
+blocking our loop); here we retry its start while the bootstrap peers do not answer. Our own stream handlers
+live on a P2P replica: a second client of the same libp2p daemon, so it shares the DHT's PeerID and listen
+addresses (hivemind's `DHT.replicate_p2p`, minus its blocking call).
 
 Identity: the DHT's p2pd is started from our Ed25519 key file (`identity_path`), so the PeerID is the public key
 and signatures are checked against the PeerID alone. hivemind's `check_if_identity_free` parses the key as RSA
@@ -15,7 +15,6 @@ so we refuse a missing file instead.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import threading
@@ -28,22 +27,27 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration
 from multiaddr import Multiaddr as _PyMultiaddr
 from multiaddr.exceptions import Error as _MultiaddrError
 
 from p2p_diloco.net.transport import relay
+from p2p_diloco.net.transport.dht_process import (
+    await_mp,
+    explain_start_error,
+    is_bootstrap_unreachable,
+    is_timeout,
+    meet_again_in_dht,
+    start_dht,
+    stop_dht,
+)
 
 logger = logging.getLogger(__name__)
 
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
 REACHABILITY_MODES = ("public", "private")
-# Phrases in hivemind / p2pd errors that mean "the bootstrap peer did not answer (yet)": worth a retry.
-_BOOTSTRAP_UNREACHABLE = ("failed to connect to bootstrap peers", "none of the initial_peers responded")
 _RETRY_FIRST_DELAY_S = 1.0
 _RETRY_MAX_DELAY_S = 8.0
-_DHT_PROCESS_SHUTDOWN_S = 3.0  # hivemind's grace period before it terminates the DHT process
 
 
 class NodeError(RuntimeError):
@@ -127,7 +131,8 @@ def parse_multiaddr(s: str, *, require_peer_id: bool = False) -> str:
     return str(maddr)
 
 
-def _dht_kwargs(identity_path: str, config: NodeConfig, validators: Sequence[RecordValidatorBase]) -> dict:
+def _dht_kwargs(identity_path: str, config: NodeConfig,
+                validators: Sequence[RecordValidatorBase]) -> dict[str, Any]:
     return dict(
         initial_peers=list(config.initial_peers) or None,
         host_maddrs=list(config.host_maddrs),
@@ -141,51 +146,6 @@ def _dht_kwargs(identity_path: str, config: NodeConfig, validators: Sequence[Rec
         record_validators=list(validators),
         **({"trusted_relays": list(config.trusted_relays)} if config.trusted_relays else {}),
     )
-
-
-def _start_dht(kwargs: dict, timeout_s: float, abandoned: threading.Event) -> DHT:
-    """Runs in a worker thread: fork the DHT process and wait until it is ready (or failed)."""
-    dht = DHT(start=False, startup_timeout=max(timeout_s, 1.0), **kwargs)
-    dht.start()
-    try:
-        dht.wait_until_ready(timeout=timeout_s)
-    except BaseException:
-        _stop_dht(dht)
-        raise
-    if abandoned.is_set():  # the caller was cancelled while we waited: nobody will shut this one down
-        _stop_dht(dht)
-        raise asyncio.CancelledError()
-    return dht
-
-
-def _stop_dht(dht: DHT, timeout_s: float = _DHT_PROCESS_SHUTDOWN_S) -> None:
-    """Blocking, bounded: ask the DHT process to stop, then terminate, then kill it (p2pd dies with it)."""
-    try:
-        dht.shutdown_timeout = min(dht.shutdown_timeout, timeout_s)
-        dht.shutdown()
-    except Exception as e:
-        logger.debug("dht shutdown request failed error=%r", e)
-    if dht.pid is not None and dht.is_alive():
-        dht.join(1.0)
-        if dht.is_alive():
-            dht.kill()
-            dht.join(1.0)
-
-
-def _explain_start_error(error: BaseException, config: NodeConfig) -> str:
-    text = str(error) or type(error).__name__
-    if "can't access this node" in text:
-        return (f"{text}. Peers could not dial this node back: announce a reachable address (announce_maddrs), "
-                "or run with client_mode=True (or use_auto_relay=True) behind NAT")
-    if "local time must be within" in text:
-        return f"{text}. Synchronize this machine's clock (NTP)"
-    if "address already in use" in text.lower():
-        return f"{text}. Another process listens on {', '.join(config.host_maddrs)}: choose another port"
-    return text
-
-
-def _is_bootstrap_unreachable(error: BaseException) -> bool:
-    return any(phrase in str(error) for phrase in _BOOTSTRAP_UNREACHABLE)
 
 
 class SwarmNode:
@@ -220,12 +180,12 @@ class SwarmNode:
         dht = await cls._start_dht_with_retries(kwargs, config, deadline)
         try:
             remaining_s = max(deadline - loop.time(), 5.0)
-            daemon_maddr = await _await_mp(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr,
+            daemon_maddr = await await_mp(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr,
                                                              return_future=True), remaining_s)
             p2p = await asyncio.wait_for(P2P.replicate(daemon_maddr), remaining_s)
             maddrs = [str(m) for m in await asyncio.wait_for(p2p.get_visible_maddrs(latest=True), remaining_s)]
         except BaseException:
-            await asyncio.to_thread(_stop_dht, dht)
+            await asyncio.to_thread(stop_dht, dht)
             raise
         node = cls(dht, p2p, config, maddrs)
         # Streams to peers nobody can dial go through a bootstrap (net/transport/relay.py); a FORWARDED frame
@@ -236,14 +196,14 @@ class SwarmNode:
         return node
 
     @staticmethod
-    async def _start_dht_with_retries(kwargs: dict, config: NodeConfig, deadline: float) -> DHT:
+    async def _start_dht_with_retries(kwargs: dict[str, Any], config: NodeConfig, deadline: float) -> DHT:
         loop = asyncio.get_running_loop()
         started = loop.time()
         delay_s = _RETRY_FIRST_DELAY_S
         for attempt in range(1, config.start_retries + 2):
             remaining_s = deadline - loop.time()
             abandoned = threading.Event()
-            future = loop.run_in_executor(None, _start_dht, kwargs, remaining_s, abandoned)
+            future = loop.run_in_executor(None, start_dht, kwargs, remaining_s, abandoned)
             try:
                 return await asyncio.shield(future)
             except asyncio.CancelledError:
@@ -252,14 +212,14 @@ class SwarmNode:
             except Exception as e:
                 error = e
             elapsed_s = loop.time() - started
-            timed_out = isinstance(error, (asyncio.TimeoutError, concurrent.futures.TimeoutError, TimeoutError))
-            if not (_is_bootstrap_unreachable(error) or (timed_out and config.initial_peers)):
-                raise NodeError(f"could not start the DHT node: {_explain_start_error(error, config)}") from error
+            explained = explain_start_error(error, config.host_maddrs)
+            if not (is_bootstrap_unreachable(error) or (is_timeout(error) and config.initial_peers)):
+                raise NodeError(f"could not start the DHT node: {explained}") from error
             retry = attempt <= config.start_retries and deadline - loop.time() > delay_s + 1.0
             if not retry:
                 raise NodeError(
                     f"could not reach bootstrap peer(s) {', '.join(config.initial_peers)} after {attempt} attempt(s) "
-                    f"in {elapsed_s:.1f}s: {_explain_start_error(error, config)}; "
+                    f"in {elapsed_s:.1f}s: {explained}; "
                     "check the address and that the node is running"
                 ) from error
             logger.warning("bootstrap peers did not answer, retrying attempt=%d/%d delay_s=%.1f error=%s",
@@ -287,7 +247,7 @@ class SwarmNode:
         """
         self._check_alive()
         future = self.dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
-        return bool(await _await_mp(future, timeout_s))
+        return bool(await await_mp(future, timeout_s))
 
     async def dht_get(self, key: str, *, latest: bool = True, timeout_s: float) -> ValueWithExpiration | None:
         """Read `key` from the DHT (the freshest value with `latest`); None if absent. asyncio.TimeoutError on timeout.
@@ -295,7 +255,7 @@ class SwarmNode:
         Values of keys written with subkeys come back as {subkey: ValueWithExpiration}.
         """
         self._check_alive()
-        return await _await_mp(self.dht.get(key, latest=latest, return_future=True), timeout_s)
+        return await await_mp(self.dht.get(key, latest=latest, return_future=True), timeout_s)
 
     async def meet_again(self, peers: dict[str, Sequence[str]], timeout_s: float) -> list[str]:
         """Ping each of `peers` (PeerID -> multiaddrs); return those that answered and were not in our routing table.
@@ -310,14 +270,14 @@ class SwarmNode:
         wanted = {pid: list(maddrs) for pid, maddrs in peers.items() if pid != self.peer_id}
         if not wanted:
             return []
-        coro = partial(_meet_again_in_dht, peers=wanted, timeout_s=timeout_s)
-        return await _await_mp(self.dht.run_coroutine(coro, return_future=True), timeout_s + 5.0)
+        coro = partial(meet_again_in_dht, peers=wanted, timeout_s=timeout_s)
+        return await await_mp(self.dht.run_coroutine(coro, return_future=True), timeout_s + 5.0)
 
     async def add_record_validators(self, validators: Sequence[RecordValidatorBase], timeout_s: float = 10.0) -> None:
         """Add DHT record validators after the start (they are pickled into the DHT process)."""
         self._check_alive()
         coro = partial(DHT._add_validators, record_validators=list(validators))
-        await _await_mp(self.dht.run_coroutine(coro, return_future=True), timeout_s)
+        await await_mp(self.dht.run_coroutine(coro, return_future=True), timeout_s)
 
     @property
     def is_alive(self) -> bool:
@@ -341,36 +301,7 @@ class SwarmNode:
         except Exception as e:
             logger.debug("p2p replica shutdown failed peer_id=%s error=%r", self.peer_id, e)
         try:
-            await asyncio.wait_for(asyncio.to_thread(_stop_dht, self.dht, budget_s / 4), budget_s * 3 / 4)
+            await asyncio.wait_for(asyncio.to_thread(stop_dht, self.dht, budget_s / 4), budget_s * 3 / 4)
         except Exception as e:
             logger.warning("dht process did not stop in time peer_id=%s error=%r", self.peer_id, e)
         logger.info("swarm node stopped peer_id=%s took_s=%.2f", self.peer_id, time.monotonic() - started)
-
-
-async def _meet_again_in_dht(_dht: DHT, node: Any, peers: dict[str, list[str]], timeout_s: float) -> list[str]:
-    """Runs in the DHT process (`DHT.run_coroutine`): see `SwarmNode.meet_again`."""
-    table = node.protocol.routing_table
-
-    async def meet(pid_text: str, maddrs: list[str]) -> str | None:
-        peer_id = PeerID.from_base58(pid_text)
-        known = peer_id in table
-        if maddrs and not known:
-            # libp2p may have forgotten the addresses of a peer it lost (hivemind's P2P has no public dial, so
-            # its daemon client's); a failed dial is fine: the ping says whether the peer is back
-            try:
-                addrs = [HivemindMultiaddr(m.split("/p2p/")[0]) for m in maddrs]
-                await asyncio.wait_for(node.p2p._client.connect(peer_id, addrs), timeout_s / 2)
-            except Exception as e:
-                logger.debug("dial before ping failed peer=%s error=%r", pid_text, e)
-        node_id = await node.protocol.call_ping(peer_id)
-        return pid_text if node_id is not None and not known else None
-
-    # One deadline per peer for dial and ping together: the caller waits timeout_s (+ margin) for all of them.
-    results = await asyncio.gather(*(asyncio.wait_for(meet(p, m), timeout_s) for p, m in peers.items()),
-                                   return_exceptions=True)
-    return [r for r in results if isinstance(r, str)]
-
-
-async def _await_mp(future: Any, timeout_s: float) -> Any:
-    """Await a hivemind MPFuture (a concurrent.futures.Future) from asyncio, with a timeout."""
-    return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)

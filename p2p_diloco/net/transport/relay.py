@@ -3,7 +3,7 @@
 Why not libp2p's circuit relay alone: it works (p2pd's relay service is on at a bootstrap started with public
 reachability, with limits of 4 GiB and 30 min per circuit), but a NATed peer is reachable through it only after
 its reservation, and hivemind's p2pd makes that **about 3 minutes** after start even with the bootstrap as a
-trusted relay (measured in namespaces, tests/netns_nat.py; go-libp2p's autorelay boot delay, not configurable
+trusted relay (measured in namespaces, tests/helpers/netns.py; go-libp2p's autorelay boot delay, not configurable
 through hivemind). Two NATed volunteers would train alone for those minutes. So p2p-diloco forwards its own
 streams, which needs nothing but what a NATed peer always has: its own outbound connection to the bootstrap,
 which is two-way.

@@ -14,7 +14,7 @@ request size against `max_request_bytes` before reading it (a refused request is
 bounded by `timeout_s`: closing with unread data makes p2pd reset the stream, and the caller would never see
 the refusal); the caller checks every length before reading it.
 
-Hostile remotes (issue 5): besides the per-read `timeout_s`, a stream must keep up an average pace of
+Hostile remotes: besides the per-read `timeout_s`, a stream must keep up an average pace of
 `min_bytes_per_s` after a grace of `timeout_s` (`Pace`), on both sides, so a never-ending trickle (a byte a
 second, or empty frames just inside the timeout) is cut by a total deadline that grows only with the bytes
 actually moved. A server may be given a `guard` (net/admission/guard.py): after the 5-byte request header, and before

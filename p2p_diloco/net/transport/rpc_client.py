@@ -5,7 +5,7 @@ for a stream of chunks; every length is checked before it is read, every read is
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from hivemind.p2p import P2P, PeerID
 
@@ -116,7 +116,8 @@ async def call(p2p: P2P, peer_id: str, name: str, request: bytes, *, max_respons
 
 
 async def call_stream(p2p: P2P, peer_id: str, name: str, request: bytes, *, max_chunk_bytes: int,
-                      max_total_bytes: int, timeout_s: float, min_bytes_per_s: float = 0.0) -> AsyncIterator[bytes]:
+                      max_total_bytes: int, timeout_s: float,
+                      min_bytes_per_s: float = 0.0) -> AsyncGenerator[bytes, None]:
     """Yield the response chunks as they arrive; each within `timeout_s`, each and all of them bounded.
 
     With `min_bytes_per_s`, the whole response must keep that average pace after a grace of `timeout_s` (the

@@ -6,7 +6,6 @@ handler's exceptions never escape into hivemind's stream task.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -91,15 +90,16 @@ class _Reject(Exception):
 class _Server:
     """One served handler: the stream callback and its steps (see `serve`)."""
 
-    def __init__(self, name: str, handler: Handler, *, max_request_bytes: int, timeout_s: float,
+    def __init__(self, p2p: P2P, name: str, handler: Handler, *, max_request_bytes: int, timeout_s: float,
                  max_concurrent: int, guard: Guard | None, min_bytes_per_s: float,
                  pass_remote_addr: bool = False) -> None:
-        self.name, self.handler, self.guard, self.pass_remote_addr = name, handler, guard, pass_remote_addr
+        self.p2p, self.name, self.handler, self.guard = p2p, name, handler, guard
+        self.pass_remote_addr = pass_remote_addr
         self.max_request_bytes, self.timeout_s, self.max_concurrent = max_request_bytes, timeout_s, max_concurrent
         self.min_bytes_per_s = min_bytes_per_s
         self.stats = RpcStats()
         self.slots = asyncio.Semaphore(max_concurrent)
-        # Callers that never gave us anything hold at most half the slots together (issue 16): a crowd of fresh
+        # Callers that never gave us anything hold at most half the slots together (open runs): a crowd of fresh
         # identities that keeps every slot busy must not turn away the peers we trade with.
         self.max_newcomers, self.newcomers = max(1, max_concurrent // 2), 0
 
@@ -151,7 +151,7 @@ class _Server:
                          pace: Pace, remote: str = "", header: tuple[int, int] | None = None) -> None:
         length = await self._read_request_header(reader, pace, header)
         if self.guard is not None:
-            refusal = await self._admit(caller, length)
+            refusal = await self._admit(self.guard, caller, length)
             if refusal:
                 raise _Reject(refusal, "rejected_policy", unread_bytes=length)
         try:
@@ -172,9 +172,9 @@ class _Server:
             if end is not None:
                 end(pace.done - before)
 
-    async def _admit(self, caller: str, length: int) -> str | None:
+    async def _admit(self, guard: Guard, caller: str, length: int) -> str | None:
         try:
-            return await asyncio.wait_for(self.guard.admit(caller, self.name, length), self.timeout_s)
+            return await asyncio.wait_for(guard.admit(caller, self.name, length), self.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug in the guard must refuse, not crash or serve
@@ -214,9 +214,8 @@ class _Server:
         self.stats.bytes_out += len(data)
 
     async def _invoke(self, request: bytes, caller: str, remote: str = "") -> bytes | AsyncIterator[bytes]:
-        result = self.handler(request, caller, remote) if self.pass_remote_addr else self.handler(request, caller)
-        if inspect.isawaitable(result):
-            result = await result
+        produced = self.handler(request, caller, remote) if self.pass_remote_addr else self.handler(request, caller)
+        result = await produced if isinstance(produced, Awaitable) else produced  # async def, or async generator
         if not isinstance(result, (bytes, bytearray, memoryview)) and not hasattr(result, "__aiter__"):
             raise TypeError(f"handler returned {type(result).__name__}, expected bytes or an async iterator")
         return result
@@ -292,10 +291,9 @@ async def serve(p2p: P2P, name: str, handler: Handler, *, max_request_bytes: int
     sent to the caller as "<Type>: <message>" (raise RpcError for a clean message). With `pass_remote_addr`,
     the handler also gets the stream's remote multiaddr (`handler(request, caller, remote_maddr)`).
     """
-    server = _Server(name, handler, max_request_bytes=max_request_bytes, timeout_s=timeout_s,
+    server = _Server(p2p, name, handler, max_request_bytes=max_request_bytes, timeout_s=timeout_s,
                      max_concurrent=max_concurrent, guard=guard, min_bytes_per_s=min_bytes_per_s,
                      pass_remote_addr=pass_remote_addr)
-    server.p2p = p2p
     await p2p.add_binary_stream_handler(name, server.on_stream)
     return server.stats
 
