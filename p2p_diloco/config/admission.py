@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2p_diloco.config.spec import ConfigError
+from p2p_diloco.config.errors import ConfigError
 
 MAX_SECRET_BYTES = 4096
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from p2p_diloco.config.errors import require
 from p2p_diloco.config.network import NetworkConfig
-from p2p_diloco.config.spec import _require
 
 
 def _doctor_network() -> NetworkConfig:
@@ -35,9 +35,9 @@ class DoctorConfig:
     """Print the diagnosis as one JSON object instead of lines."""
 
     def validate(self) -> DoctorConfig:
-        _require(bool(self.network.bootstrap), "give the swarm's bootstrap multiaddr(s) with --bootstrap")
+        require(bool(self.network.bootstrap), "give the swarm's bootstrap multiaddr(s) with --bootstrap")
         self.network.validate()
-        _require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        _require(self.relay_wait_s >= 0, f"relay_wait_s must be >= 0, got {self.relay_wait_s}")
-        _require(0 <= self.upload_mib <= 4, f"upload_mib must be in [0, 4], got {self.upload_mib}")
+        require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        require(self.relay_wait_s >= 0, f"relay_wait_s must be >= 0, got {self.relay_wait_s}")
+        require(0 <= self.upload_mib <= 4, f"upload_mib must be in [0, 4], got {self.upload_mib}")
         return self

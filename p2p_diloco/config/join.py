@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2p_diloco.config.admission import AdmissionConfig
+from p2p_diloco.config.errors import require
 from p2p_diloco.config.network import GossipConfig, NetworkConfig, StateSyncConfig, check_status_port
-from p2p_diloco.config.spec import RunSpec, _require
+from p2p_diloco.config.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -59,19 +60,19 @@ class TrainingConfig:
     remotes' vectors we judge by can be a phase old, so a healthy link can read 1-2 (a slow one reads dozens)."""
 
     def validate(self) -> TrainingConfig:
-        _require(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
-        _require(-1 <= self.shard < self.num_shards, f"shard must be in [0, {self.num_shards}) or -1, got {self.shard}")
-        _require(self.rounds >= 0 and self.eval_every >= 0, "rounds and eval_every must be >= 0")
-        _require(self.eval_batches >= 1, f"eval_batches must be >= 1, got {self.eval_batches}")
-        _require(self.linger_s >= 0 and self.finish_phase_within_s >= 0,
-                 "linger_s and finish_phase_within_s must be >= 0")
-        _require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
-        _require(self.precision in ("auto", "bf16", "fp16", "fp32"),
-                 f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
-        _require(self.micro_batch >= 0, f"micro_batch must be >= 0, got {self.micro_batch}")
-        _require(self.gpus >= 0, f"gpus must be >= 0, got {self.gpus}")
-        _require(1 <= self.max_stretch <= 64, f"max_stretch must be in [1, 64], got {self.max_stretch}")
-        _require(self.stretch_backlog >= 1, f"stretch_backlog must be >= 1, got {self.stretch_backlog}")
+        require(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
+        require(-1 <= self.shard < self.num_shards, f"shard must be in [0, {self.num_shards}) or -1, got {self.shard}")
+        require(self.rounds >= 0 and self.eval_every >= 0, "rounds and eval_every must be >= 0")
+        require(self.eval_batches >= 1, f"eval_batches must be >= 1, got {self.eval_batches}")
+        require(self.linger_s >= 0 and self.finish_phase_within_s >= 0,
+                "linger_s and finish_phase_within_s must be >= 0")
+        require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
+        require(self.precision in ("auto", "bf16", "fp16", "fp32"),
+                f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
+        require(self.micro_batch >= 0, f"micro_batch must be >= 0, got {self.micro_batch}")
+        require(self.gpus >= 0, f"gpus must be >= 0, got {self.gpus}")
+        require(1 <= self.max_stretch <= 64, f"max_stretch must be in [1, 64], got {self.max_stretch}")
+        require(self.stretch_backlog >= 1, f"stretch_backlog must be >= 1, got {self.stretch_backlog}")
         return self
 
 
@@ -98,11 +99,11 @@ class CheckpointConfig:
     -1: never."""
 
     def validate(self) -> CheckpointConfig:
-        _require(self.every >= 0 and self.keep >= 1,
-                 f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every} and {self.keep}")
-        _require(self.catch_up_stall_s > 0, f"catch_up_stall_s must be > 0, got {self.catch_up_stall_s}")
-        _require(self.resync_window_s >= 0 or self.resync_window_s == -1,
-                 f"resync_window_s must be >= 0 or -1, got {self.resync_window_s}")
+        require(self.every >= 0 and self.keep >= 1,
+                f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every} and {self.keep}")
+        require(self.catch_up_stall_s > 0, f"catch_up_stall_s must be > 0, got {self.catch_up_stall_s}")
+        require(self.resync_window_s >= 0 or self.resync_window_s == -1,
+                f"resync_window_s must be >= 0 or -1, got {self.resync_window_s}")
         return self
 
 
@@ -128,7 +129,7 @@ class LoggingConfig:
 
     def validate(self) -> LoggingConfig:
         check_status_port(self.status_port, self.status_host)
-        _require(self.progress in ("auto", "on", "off"), f"progress must be auto, on or off, got {self.progress!r}")
+        require(self.progress in ("auto", "on", "off"), f"progress must be auto, on or off, got {self.progress!r}")
         return self
 
 

@@ -13,9 +13,14 @@ import sys
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from p2p_diloco.config.spec import ConfigError
+from p2p_diloco.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -32,9 +37,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        tables: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))  # tomli (3.10) has no types
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return tables
 
 
 @functools.cache
@@ -47,7 +53,7 @@ def leaves(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str,
     """(path, owning dataclass, type) of every field that is not itself a dataclass, nested ones walked."""
     for f in dataclasses.fields(cls):
         tp = field_types(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from leaves(tp, prefix + (f.name,))
         else:
             yield prefix + (f.name,), cls, tp
@@ -59,7 +65,7 @@ def value_at(obj: Any, path: tuple[str, ...]) -> Any:
     return obj
 
 
-def replace_paths(obj: Any, updates: Mapping[tuple[str, ...], Any]) -> Any:
+def replace_paths(obj: ConfigT, updates: Mapping[tuple[str, ...], Any]) -> ConfigT:
     """`obj` with the field at each path replaced (`dataclasses.replace`, level by level)."""
     direct = {path[0]: v for path, v in updates.items() if len(path) == 1}
     nested: dict[str, dict[tuple[str, ...], Any]] = {}
@@ -71,7 +77,7 @@ def replace_paths(obj: Any, updates: Mapping[tuple[str, ...], Any]) -> Any:
     return dataclasses.replace(obj, **direct) if direct else obj
 
 
-def merge_mapping(base: Any, data: Mapping[str, Any], *, source: str, section: tuple[str, ...] = ()) -> Any:
+def merge_mapping(base: ConfigT, data: Mapping[str, Any], *, source: str, section: tuple[str, ...] = ()) -> ConfigT:
     """`base` with the values of `data` (a TOML document or one of its tables) put in; ConfigError names the key."""
     where = f"{source}: [{'.'.join(section)}]" if section else f"{source}:"
     names = [f.name for f in dataclasses.fields(base)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2p_diloco.config.spec import _require
+from p2p_diloco.config.errors import require
 
 DEFAULT_BOOTSTRAP_PORT = 31337
 MAX_CHUNK_BYTES = 64 << 20
@@ -48,11 +48,11 @@ class NetworkConfig:
     """Timeout of one DHT read or write, in seconds."""
 
     def validate(self) -> NetworkConfig:
-        _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
-        _require(3 <= self.record_ttl_s <= 3600, f"record_ttl_s must be in [3, 3600], got {self.record_ttl_s}")
-        _require(self.dht_timeout_s > 0 and self.start_timeout_s > 0, "dht_timeout_s and start_timeout_s must be > 0")
-        _require(self.reachability in (*PEER_REACHABILITY, ""),
-                 f"reachability must be auto, public or private, got {self.reachability!r}")
+        require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        require(3 <= self.record_ttl_s <= 3600, f"record_ttl_s must be in [3, 3600], got {self.record_ttl_s}")
+        require(self.dht_timeout_s > 0 and self.start_timeout_s > 0, "dht_timeout_s and start_timeout_s must be > 0")
+        require(self.reachability in (*PEER_REACHABILITY, ""),
+                f"reachability must be auto, public or private, got {self.reachability!r}")
         return self
 
 
@@ -153,8 +153,8 @@ class BootstrapConfig:
     """Address the status page binds to: 127.0.0.1 keeps it on this host; 0.0.0.0 shows it to everyone."""
 
     def validate(self) -> BootstrapConfig:
-        _require(self.reachability in REACHABILITY,
-                 f"reachability must be public, private or empty, got {self.reachability!r}")
+        require(self.reachability in REACHABILITY,
+                f"reachability must be public, private or empty, got {self.reachability!r}")
         check_status_port(self.status_port, self.status_host)
         return self
 
@@ -177,14 +177,14 @@ class StatusConfig:
     """Seconds between refreshes of --watch."""
 
     def validate(self) -> StatusConfig:
-        _require(bool(self.bootstrap), "give the swarm's bootstrap multiaddr with --bootstrap")
-        _require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        _require(self.interval_s >= 0.2, f"interval_s must be >= 0.2, got {self.interval_s}")
-        _require(not (self.watch and self.json), "--watch and --json do not go together")
+        require(bool(self.bootstrap), "give the swarm's bootstrap multiaddr with --bootstrap")
+        require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        require(self.interval_s >= 0.2, f"interval_s must be >= 0.2, got {self.interval_s}")
+        require(not (self.watch and self.json), "--watch and --json do not go together")
         return self
 
 
 def check_status_port(port: int, host: str) -> None:
     """A status page's port: -1 (off), 0 (any free port) or a TCP port; a host to bind it to."""
-    _require(-1 <= port < 65536, f"status_port must be -1 (off), 0 (any free port) or a TCP port, got {port}")
-    _require(bool(host.strip()), "status_host must not be empty (127.0.0.1 keeps the page on this host)")
+    require(-1 <= port < 65536, f"status_port must be -1 (off), 0 (any free port) or a TCP port, got {port}")
+    require(bool(host.strip()), "status_host must not be empty (127.0.0.1 keeps the page on this host)")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from p2p_diloco.config.spec import ConfigError, DataConfig, InnerConfig, ModelConfig, RunSpec
+from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.config.spec import DataConfig, InnerConfig, ModelConfig, RunSpec
 
 
 def _preset_test() -> RunSpec:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2p_diloco.config.spec import ConfigError, RunSpec, _require
+from p2p_diloco.config.errors import ConfigError, require
+from p2p_diloco.config.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -49,20 +50,20 @@ class SimConfig:
     """Where every simulated peer's model trains: cpu (reproducible results), auto, cuda, cuda:N or mps."""
 
     def validate(self) -> SimConfig:
-        _require(self.peers >= 1, f"peers must be >= 1, got {self.peers}")
-        _require(self.method in ("async", "sync", "dp"), f"method must be async, sync or dp, got {self.method!r}")
-        _require(self.total_steps > 0, f"total_steps must be > 0, got {self.total_steps}")
-        _require(self.step_time_s > 0, f"step_time_s must be > 0, got {self.step_time_s}")
-        _require(self.latency_s >= 0, f"latency_s must be >= 0, got {self.latency_s}")
-        _require(self.bandwidth_mbps > 0, f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
-        _require(0 <= self.loss < 1, f"loss must be in [0, 1), got {self.loss}")
-        _require(self.anti_entropy_s > 0, f"anti_entropy_s must be > 0, got {self.anti_entropy_s}")
-        _require(self.latency_jitter_s >= 0, f"latency_jitter_s must be >= 0, got {self.latency_jitter_s}")
-        _require(self.start_spread_s >= 0, f"start_spread_s must be >= 0, got {self.start_spread_s}")
-        _require(0 <= self.phase_jitter < 1, f"phase_jitter must be in [0, 1), got {self.phase_jitter}")
-        _require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
+        require(self.peers >= 1, f"peers must be >= 1, got {self.peers}")
+        require(self.method in ("async", "sync", "dp"), f"method must be async, sync or dp, got {self.method!r}")
+        require(self.total_steps > 0, f"total_steps must be > 0, got {self.total_steps}")
+        require(self.step_time_s > 0, f"step_time_s must be > 0, got {self.step_time_s}")
+        require(self.latency_s >= 0, f"latency_s must be >= 0, got {self.latency_s}")
+        require(self.bandwidth_mbps > 0, f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
+        require(0 <= self.loss < 1, f"loss must be in [0, 1), got {self.loss}")
+        require(self.anti_entropy_s > 0, f"anti_entropy_s must be > 0, got {self.anti_entropy_s}")
+        require(self.latency_jitter_s >= 0, f"latency_jitter_s must be >= 0, got {self.latency_jitter_s}")
+        require(self.start_spread_s >= 0, f"start_spread_s must be >= 0, got {self.start_spread_s}")
+        require(0 <= self.phase_jitter < 1, f"phase_jitter must be in [0, 1), got {self.phase_jitter}")
+        require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
         speeds = self.speed_factors()
-        _require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")
+        require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")
         self.crashes()
         self.joins()
         return self
@@ -72,7 +73,7 @@ class SimConfig:
             given = [float(s) for s in self.speeds]
         except ValueError as err:
             raise ConfigError(f"speeds must be numbers, got {self.speeds}: {err}") from None
-        _require(len(given) <= self.peers, f"{len(given)} speeds given for {self.peers} peers")
+        require(len(given) <= self.peers, f"{len(given)} speeds given for {self.peers} peers")
         return given + [1.0] * (self.peers - len(given))
 
     def crashes(self) -> list[tuple[int, float]]:
@@ -83,7 +84,7 @@ class SimConfig:
                 out.append((int(peer), float(at)))
             except ValueError:
                 raise ConfigError(f"crash must look like PEER@SECONDS (e.g. 2@300), got {item!r}") from None
-            _require(0 <= out[-1][0] < self.peers, f"crash names peer {out[-1][0]}, but peers are 0..{self.peers - 1}")
+            require(0 <= out[-1][0] < self.peers, f"crash names peer {out[-1][0]}, but peers are 0..{self.peers - 1}")
         return out
 
     def joins(self) -> list[float]:

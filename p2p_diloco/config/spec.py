@@ -13,22 +13,17 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from p2p_diloco.config.defence import DefenceConfig
+from p2p_diloco.config.errors import require
 
 CODECS = ("fp32", "fp16", "int8", "int4")
 """Payload codec names, in their wire order (wire/codecs.py imports them as CODEC_NAMES)."""
 
 
-class ConfigError(ValueError):
-    """A configuration value a person must fix; the message says which and why."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 MODEL_ARCHS = ("gpt", "llama", "qwen2", "mistral", "gpt2")
-"""`model.arch`: the built-in byte-level GPT, or a Hugging Face causal-LM family (train/hf_model.py)."""
+"""`model.arch`: the built-in byte-level GPT, or a Hugging Face causal-LM family (train/models/hf.py)."""
 
 
 def is_model_path(arch: str) -> bool:
@@ -68,24 +63,24 @@ class ModelConfig:
     from the run's seed); every peer needs those weights (`--model FOLDER`)."""
 
     def validate(self) -> None:
-        # A path (config.json or model folder) is allowed here; train/resolve.py turns it into arch + hf_config
+        # A path (config.json or model folder) is allowed here; train/data/resolve.py turns it into arch + hf_config
         # before the spec is hashed or published.
-        _require(self.arch in MODEL_ARCHS or is_model_path(self.arch) or bool(self.hf_config),
-                 f"model.arch must be one of {', '.join(MODEL_ARCHS)}, a config.json or a model folder, "
-                 f"got {self.arch!r}")
+        require(self.arch in MODEL_ARCHS or is_model_path(self.arch) or bool(self.hf_config),
+                f"model.arch must be one of {', '.join(MODEL_ARCHS)}, a config.json or a model folder, "
+                f"got {self.arch!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
-        _require(self.n_embd % self.n_head == 0,
-                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
-        _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
-        _require(self.n_kv_head >= 0 and (self.n_kv_head == 0 or self.n_head % self.n_kv_head == 0),
-                 f"model.n_kv_head must be 0 or divide model.n_head ({self.n_head}), got {self.n_kv_head}")
-        _require(self.ffn_hidden >= 0, f"model.ffn_hidden must be >= 0, got {self.ffn_hidden}")
-        _require(self.arch != "gpt" or not (self.hf_config or self.weights_sha256 or self.n_kv_head),
-                 "model.hf_config, model.weights_sha256 and model.n_kv_head need a Hugging Face model.arch")
-        _require(self.arch != "gpt" or self.vocab_size <= 256,
-                 f"the built-in byte-level gpt has at most 256 tokens, got model.vocab_size {self.vocab_size}; "
-                 f"use --model llama (or qwen2, mistral, gpt2) for a tokenized dataset")
+            require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+        require(self.n_embd % self.n_head == 0,
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+        require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        require(self.n_kv_head >= 0 and (self.n_kv_head == 0 or self.n_head % self.n_kv_head == 0),
+                f"model.n_kv_head must be 0 or divide model.n_head ({self.n_head}), got {self.n_kv_head}")
+        require(self.ffn_hidden >= 0, f"model.ffn_hidden must be >= 0, got {self.ffn_hidden}")
+        require(self.arch != "gpt" or not (self.hf_config or self.weights_sha256 or self.n_kv_head),
+                "model.hf_config, model.weights_sha256 and model.n_kv_head need a Hugging Face model.arch")
+        require(self.arch != "gpt" or self.vocab_size <= 256,
+                f"the built-in byte-level gpt has at most 256 tokens, got model.vocab_size {self.vocab_size}; "
+                f"use --model llama (or qwen2, mistral, gpt2) for a tokenized dataset")
 
 
 @dataclass(frozen=True)
@@ -109,9 +104,9 @@ class DataConfig:
     """Read at most this many MB of the corpus (keeps start-up fast)."""
 
     def validate(self) -> None:
-        _require(self.batch_size > 0, f"data.batch_size must be > 0, got {self.batch_size}")
-        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
-        _require(self.max_corpus_mb > 0, f"data.max_corpus_mb must be > 0, got {self.max_corpus_mb}")
+        require(self.batch_size > 0, f"data.batch_size must be > 0, got {self.batch_size}")
+        require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        require(self.max_corpus_mb > 0, f"data.max_corpus_mb must be > 0, got {self.max_corpus_mb}")
 
 
 @dataclass(frozen=True)
@@ -144,17 +139,17 @@ class InnerConfig:
     step; later ones wait for the next phase (1: always at the next step)."""
 
     def validate(self) -> None:
-        _require(self.schedule_clock in ("own", "swarm"),
-                 f"inner.schedule_clock must be own or swarm, got {self.schedule_clock!r}")
-        _require(0 <= self.rebase_window <= 1, f"inner.rebase_window must be in [0, 1], got {self.rebase_window}")
-        _require(self.inner_steps > 0, f"inner.inner_steps must be > 0, got {self.inner_steps}")
-        _require(self.lr > 0 and math.isfinite(self.lr), f"inner.lr must be a positive number, got {self.lr}")
-        _require(self.weight_decay >= 0, f"inner.weight_decay must be >= 0, got {self.weight_decay}")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1 and inner.beta2 must be in [0, 1)")
-        _require(self.warmup_steps >= 0, f"inner.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _require(self.decay_steps > 0, f"inner.decay_steps must be > 0, got {self.decay_steps}")
-        _require(0 <= self.min_lr_ratio <= 1, f"inner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _require(self.grad_clip >= 0, f"inner.grad_clip must be >= 0, got {self.grad_clip}")
+        require(self.schedule_clock in ("own", "swarm"),
+                f"inner.schedule_clock must be own or swarm, got {self.schedule_clock!r}")
+        require(0 <= self.rebase_window <= 1, f"inner.rebase_window must be in [0, 1], got {self.rebase_window}")
+        require(self.inner_steps > 0, f"inner.inner_steps must be > 0, got {self.inner_steps}")
+        require(self.lr > 0 and math.isfinite(self.lr), f"inner.lr must be a positive number, got {self.lr}")
+        require(self.weight_decay >= 0, f"inner.weight_decay must be >= 0, got {self.weight_decay}")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1 and inner.beta2 must be in [0, 1)")
+        require(self.warmup_steps >= 0, f"inner.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.decay_steps > 0, f"inner.decay_steps must be > 0, got {self.decay_steps}")
+        require(0 <= self.min_lr_ratio <= 1, f"inner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.grad_clip >= 0, f"inner.grad_clip must be >= 0, got {self.grad_clip}")
 
 
 @dataclass(frozen=True)
@@ -180,87 +175,14 @@ class OuterConfig:
     """Receivers clamp an update's signed weight to [0, max_weight]."""
 
     def validate(self) -> None:
-        _require(self.outer_lr > 0 and math.isfinite(self.outer_lr),
-                 f"outer.outer_lr must be a positive number, got {self.outer_lr}")
-        _require(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
-        _require(self.codec in CODECS, f"outer.codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        _require(self.codec_block > 0 and self.codec_block % 2 == 0,
-                 f"outer.codec_block must be a positive even number, got {self.codec_block}")
-        _require(self.staleness_power >= 0, f"outer.staleness_power must be >= 0, got {self.staleness_power}")
-        _require(self.max_weight > 0, f"outer.max_weight must be > 0, got {self.max_weight}")
-
-
-AGGREGATIONS = ("sum", "coord_clip", "centered_clip")
-
-
-@dataclass(frozen=True)
-class DefenceConfig:
-    """What every peer does with hostile input (sync/robust.py, sync/replica.py): shared, so all decide alike."""
-
-    norm_bound: float = 1.0
-    """Reject and ban an update with a coordinate above this multiple of the spec's bound on honest updates
-    (inner_steps * lr * Adam's step bound / (1 - momentum)); 0 disables."""
-    aggregation: str = "sum"
-    """How each merged payload is shaped: sum (as signed), coord_clip (each coordinate clipped, identical on
-    every peer) or centered_clip (CenteredClip around this replica's recent updates; replicas may differ)."""
-    coord_clip: float = 0.25
-    """coord_clip: clip each coordinate to this fraction of the spec's bound on honest updates."""
-    clip_window: int = 8
-    """centered_clip: how many recently merged payloads the centre is computed from."""
-    clip_radius: float = 4.0
-    """centered_clip: clip radius as a multiple of the median distance of the window's payloads to the centre
-    (benchmarks/bench_poison.py: 1.0-2.5 also clip honest updates, and cost 2-9% loss on a clean run)."""
-    gap_timeout_s: float = 120.0
-    """Seconds a gap in one sender's seqs may stay unfilled before the replica skips it (records a hole,
-    merges the later seqs, and still merges the missing one if it turns up)."""
-    max_hole_span: int = 16
-    """Largest gap (in seqs) that is skipped; a larger one waits, as it needs a state sync, not a skip."""
-    allowed_senders: tuple[str, ...] = ()
-    """PeerIDs allowed to contribute updates, comma-separated (a closed swarm); empty allows every peer."""
-    probation: float = 0.25
-    """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
-    a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
-    min_agreement: float = -1.0
-    """Vetting: an update whose cosine with this replica's reference direction (recent updates in good standing)
-    is below this merges with weight 0 (3 in a row distrust its author); -1 disables (the default: a joiner's
-    honest first update measured -0.63 against two replicas' references and not a third's, whose replicas then
-    differed; late in a run honest updates measured -0.2). A sign-flipped copy early in a run ~-0.9; such copies
-    are caught as negated copies whatever this is."""
-    max_norm_ratio: float = 0.0
-    """Vetting: the same for an update longer than this multiple of the reference's recent norms; 0 disables (the
-    default: with H=2 honest updates after a pause or a join measured 3.2-3.9x; a crowd's scaled copies are caught
-    as copies, and the norm bound refuses what is far too long)."""
-    copy_cosine: float = 0.9999
-    """Two payloads of different authors whose |cosine| is at least this are copies (one of them re-signed,
-    scaled or negated): the one of an author in good standing wins, the other merges at 0 (taken back if it
-    came first); neither in good standing, both merge at 0 (sync/standing.py); 0 disables. A re-signed copy
-    decodes to exactly the same direction; honest first updates from one init came within 0.99 at H=2."""
-    full_agreement: float = 0.0
-    """An author's updates merge at 0 while the average cosine of its updates with the reference is below this;
-    0 disables (the default: late in a run honest authors averaged down to -0.17, so any positive threshold
-    refuses honest work there; early on, 0.1 keeps noise out)."""
-
-    def validate(self) -> None:
-        _require(self.norm_bound >= 0 and math.isfinite(self.norm_bound),
-                 f"defence.norm_bound must be a number >= 0, got {self.norm_bound}")
-        _require(self.aggregation in AGGREGATIONS,
-                 f"defence.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
-        _require(self.coord_clip > 0 and math.isfinite(self.coord_clip),
-                 f"defence.coord_clip must be a positive number, got {self.coord_clip}")
-        _require(self.clip_window >= 2, f"defence.clip_window must be >= 2, got {self.clip_window}")
-        _require(self.clip_radius > 0 and math.isfinite(self.clip_radius),
-                 f"defence.clip_radius must be a positive number, got {self.clip_radius}")
-        _require(self.gap_timeout_s > 0, f"defence.gap_timeout_s must be > 0, got {self.gap_timeout_s}")
-        _require(self.max_hole_span >= 1, f"defence.max_hole_span must be >= 1, got {self.max_hole_span}")
-        _require(all(isinstance(s, str) and s for s in self.allowed_senders),
-                 "defence.allowed_senders must be PeerID strings")
-        _require(0 < self.probation <= 1, f"defence.probation must be in (0, 1], got {self.probation}")
-        _require(-1 <= self.min_agreement < 1, f"defence.min_agreement must be in [-1, 1), got {self.min_agreement}")
-        _require(self.copy_cosine == 0 or 0.5 <= self.copy_cosine < 1,
-                 f"defence.copy_cosine must be 0 (off) or in [0.5, 1), got {self.copy_cosine}")
-        _require(0 <= self.full_agreement < 1, f"defence.full_agreement must be in [0, 1), got {self.full_agreement}")
-        _require(self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
-                 f"defence.max_norm_ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}")
+        require(self.outer_lr > 0 and math.isfinite(self.outer_lr),
+                f"outer.outer_lr must be a positive number, got {self.outer_lr}")
+        require(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
+        require(self.codec in CODECS, f"outer.codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        require(self.codec_block > 0 and self.codec_block % 2 == 0,
+                f"outer.codec_block must be a positive even number, got {self.codec_block}")
+        require(self.staleness_power >= 0, f"outer.staleness_power must be >= 0, got {self.staleness_power}")
+        require(self.max_weight > 0, f"outer.max_weight must be > 0, got {self.max_weight}")
 
 
 @dataclass(frozen=True)
@@ -283,29 +205,29 @@ class RunSpec:
     """What every peer does with hostile input."""
 
     def validate(self) -> RunSpec:
-        _require(bool(self.run_id) and len(self.run_id) <= 64 and self.run_id.isprintable(),
-                 f"run_id must be 1-64 printable characters, got {self.run_id!r}")
+        require(bool(self.run_id) and len(self.run_id) <= 64 and self.run_id.isprintable(),
+                f"run_id must be 1-64 printable characters, got {self.run_id!r}")
         for part in (self.model, self.data, self.inner, self.outer, self.defence):
             part.validate()
         return self
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> RunSpec:
+    def from_dict(cls, d: dict[str, Any]) -> RunSpec:
         subs = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig, "outer": OuterConfig,
                 "defence": DefenceConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
-        _require(not unknown, f"unknown RunSpec fields: {sorted(unknown)}")
-        kwargs = {}
+        require(not unknown, f"unknown RunSpec fields: {sorted(unknown)}")
+        kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if key in subs:
-                _require(isinstance(value, dict), f"{key} must be an object of fields, got {value!r}")
+                require(isinstance(value, dict), f"{key} must be an object of fields, got {value!r}")
                 sub_known = {f.name for f in dataclasses.fields(subs[key])}
                 bad = set(value) - sub_known
-                _require(not bad, f"unknown {key} fields: {sorted(bad)}")
+                require(not bad, f"unknown {key} fields: {sorted(bad)}")
                 kwargs[key] = subs[key](**{k: _typed(subs[key], k, v, f"{key}.") for k, v in value.items()})
             else:
                 kwargs[key] = _typed(cls, key, value, "")
@@ -324,24 +246,24 @@ class RunSpec:
 _SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
 
 
-def _typed(cls: type, name: str, value, prefix: str):
+def _typed(cls: type, name: str, value: Any, prefix: str) -> Any:
     """A JSON value checked against the field's annotation (an int is accepted where a float is asked)."""
     annotation = next(f.type for f in dataclasses.fields(cls) if f.name == name)
     expected = _SCALARS.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
     if str(annotation).startswith("tuple[str") and isinstance(value, (list, tuple)):
-        _require(all(isinstance(v, str) for v in value), f"{prefix}{name} must be a list of strings, got {value!r}")
+        require(all(isinstance(v, str) for v in value), f"{prefix}{name} must be a list of strings, got {value!r}")
         return tuple(value)  # JSON has lists; a frozen config holds tuples
     if expected is None:
         return value
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
-    _require(ok, f"{prefix}{name} must be {expected.__name__}, got {value!r}")
+    require(ok, f"{prefix}{name} must be {expected.__name__}, got {value!r}")
     return value
 
 
-def _diff(a: dict, b: dict, prefix: str) -> list[str]:
-    out = []
+def _diff(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[str]:
+    out: list[str] = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key), b.get(key)
         if key == "hf_config" and va and vb and va != vb:  # name the field inside the model's config, not 2 KB of it

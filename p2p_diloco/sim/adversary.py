@@ -1,4 +1,5 @@
-"""Hostile peers for the in-process swarm (issue 5), in the fault-injection style of hivemind's FaultyAverager.
+"""Hostile peers for the in-process swarm, in the fault-injection style of hivemind's FaultyAverager: the
+defences against hostile input (ARCHITECTURE.md "Invariants", 1) tested end to end.
 
 A hostile peer trains like an honest one (so its updates look plausible in time and size), merges its honest
 update into its own replica, and publishes a tampered one instead:
@@ -6,7 +7,7 @@ update into its own replica, and publishes a tampered one instead:
     nan        the payload carries a NaN (hand-made bytes: no codec encodes one)
     scale      the payload is the honest one times `factor` (x100 in the benchmark)
     sign_flip  the payload is minus the honest one
-    withhold   seqs in `withhold` are published to nobody and kept by nobody (the lost-update trap, issue 4);
+    withhold   seqs in `withhold` are published to nobody and kept by nobody (a lost update: replicas skip its gap);
                with `release_at_s` they are sent to every live peer at that time instead
 
 Every tampered update is correctly signed: the defences under test are the receivers' (sync/intake.py,
@@ -20,19 +21,20 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
-from p2p_diloco.sim.result import SimResult, divergence
-from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
+from p2p_diloco.sim.result import Progress, SimResult, divergence
+from p2p_diloco.sim.swarm import AsyncSwarm, ReplicaState, SimPeer
+from p2p_diloco.sync.quorum import merged_by_quorum, skipped_by_quorum
 from p2p_diloco.sync.store import UpdateStore
-from p2p_diloco.sync.version_vector import merged_by_quorum, skipped_by_quorum
-from p2p_diloco.train.data import Corpus
+from p2p_diloco.train.data.corpus import Corpus
 from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.wire.codecs import Payload
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class Adversary:
                            identity=learner.identity, created_at=h.created_at)
 
 
-def _with_nan(payload: bytes, codec: str) -> bytes:
+def _with_nan(payload: Payload, codec: str) -> bytes:
     """The payload with its first value (fp32, fp16) or first block scale (int8, int4) set to NaN."""
     nan = struct.pack("<e", math.nan) if codec == "fp16" else struct.pack("<f", math.nan)
     return nan + payload[len(nan):]
@@ -96,7 +98,7 @@ class HostileSwarm(AsyncSwarm):
     """The async swarm with hostile peers; `run()` as usual, then `honest_summary(result)`."""
 
     def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, adversaries: Sequence[Adversary] = (), *,
-                 progress: Callable | None = None, weigh_banned: bool = True) -> None:
+                 progress: Progress | None = None, weigh_banned: bool = True) -> None:
         """`weigh_banned=False`: senders weight their updates as if the peers every live peer has banned were
         gone (the plain simulator, like the real swarm's peer list, counts every live peer)."""
         self.adversaries = {a.peer: a for a in adversaries}
@@ -104,10 +106,10 @@ class HostileSwarm(AsyncSwarm):
         self.weigh_banned = weigh_banned
         super().__init__(spec, sim, corpus, progress=progress)
 
-    def _add_peer(self, speed: float, state=None) -> SimPeer:  # noqa: ANN001
+    def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         peer = super()._add_peer(speed, state)
         intake = peer.intake
-        intake.clock = lambda: self.queue.now  # gap timeouts in simulated seconds
+        intake.replica.set_clock(lambda: self.queue.now)  # gap timeouts in simulated seconds
         adversary = self.adversaries.get(peer.index)
         if adversary is not None:
             self._make_hostile(peer, adversary)

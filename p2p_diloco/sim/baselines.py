@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
-from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
+from p2p_diloco.sim.result import EvalPoint, PeerReport, Progress, SimResult, divergence
 from p2p_diloco.sync.intake import Intake
-from p2p_diloco.train.data import Corpus, ShardSampler, eval_batches, evaluate
-from p2p_diloco.train.device import resolve_device
+from p2p_diloco.train.data.corpus import Corpus, ShardSampler, eval_batches, evaluate
+from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.inner import lr_at, make_inner_optimizer
 from p2p_diloco.train.learner import Learner, SwarmView
-from p2p_diloco.train.model import build_model, flat_params
+from p2p_diloco.train.models.build import build_model, flat_params
 from p2p_diloco.wire.envelope import encode_update
 from p2p_diloco.wire.identity import Identity
 
@@ -27,7 +27,7 @@ def _eval_set(spec: RunSpec, sim: SimConfig, corpus: Corpus):
                         num_batches=sim.eval_batches)
 
 
-def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None) -> SimResult:
+def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Progress | None = None) -> SimResult:
     n, H = sim.peers, spec.inner.inner_steps
     speeds = sim.speed_factors()
     device = resolve_device(sim.device)
@@ -73,7 +73,8 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None
                      peers=peers, numel=learners[0].numel, theta=torch.stack(thetas).mean(0))
 
 
-def run_data_parallel(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress=None) -> SimResult:
+def run_data_parallel(spec: RunSpec, sim: SimConfig, corpus: Corpus,
+                      progress: Progress | None = None) -> SimResult:
     n = sim.peers
     speeds = sim.speed_factors()
     device = resolve_device(sim.device)

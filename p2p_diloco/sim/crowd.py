@@ -1,4 +1,5 @@
-"""A crowd of fresh identities in the in-process swarm (issue 16): poisoning that costs the attacker nothing but keys.
+"""A crowd of fresh identities in the in-process swarm: poisoning that costs the attacker nothing but keys (an
+open run's threat, ARCHITECTURE.md "Who counts").
 
 `CrowdSwarm` is `HostileSwarm` (sim/adversary.py) with `crowd` extra identities on top of the honest peers. They
 train nothing and spend none of the token budget: each time honest peer 0 publishes, every crowd identity
@@ -13,16 +14,16 @@ whose updates merged recently (sync/standing.py `Standing.proven`, what the real
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.adversary import HostileSwarm
-from p2p_diloco.sim.swarm import SimPeer
-from p2p_diloco.sync.standing import MAX_INHERITED
-from p2p_diloco.train.data import Corpus
+from p2p_diloco.sim.result import Progress
+from p2p_diloco.sim.swarm import ReplicaState, SimPeer, stored_envelope
+from p2p_diloco.sync.authors import MAX_INHERITED
+from p2p_diloco.train.data.corpus import Corpus
 from p2p_diloco.train.learner import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
 from p2p_diloco.wire.identity import Identity
@@ -44,14 +45,14 @@ class CrowdSwarm(HostileSwarm):
     """Honest peers plus a crowd of identities that re-sign tampered copies of peer 0's updates."""
 
     def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, attack: CrowdAttack, *,
-                 progress: Callable | None = None) -> None:
+                 progress: Progress | None = None) -> None:
         self.attack = attack
         self.crowd = [Identity.generate() for _ in range(attack.size)]
         self.crowd_seq = [0] * attack.size
         self.noise_rng = torch.Generator().manual_seed(spec.seed + 1)
         super().__init__(spec, sim, corpus, progress=progress)
 
-    def _add_peer(self, speed: float, state=None) -> SimPeer:  # noqa: ANN001
+    def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         peer = super()._add_peer(speed, state)
         if peer.index == 0 and self.crowd:
             honest_publish = peer.exchange.publish
@@ -76,7 +77,7 @@ class CrowdSwarm(HostileSwarm):
         sync_s = peer.learner.numel * 4 / self.net.bytes_per_s + self.sim.latency_s
         self.net.bytes_sent[donor.learner.peer_id] += peer.learner.numel * 4
         for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):
-            peer.intake.receive(encode_update(update))
+            peer.intake.receive(stored_envelope(update))
         self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
 
     def _crowd_publishes(self, source: SimPeer, honest: OuterUpdate) -> None:

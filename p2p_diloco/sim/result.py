@@ -4,9 +4,13 @@ staleness, replica divergence."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+Progress = Callable[[int, int, float | None], None]
+"""A run's progress callback: (steps done, steps in all, the last train loss or None)."""
 
 
 @dataclass

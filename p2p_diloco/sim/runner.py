@@ -6,12 +6,13 @@ import dataclasses
 
 from p2p_diloco.config import ConfigError, RunSpec, SimConfig
 from p2p_diloco.sim.baselines import run_data_parallel, run_sync_diloco
-from p2p_diloco.sim.result import SimResult
+from p2p_diloco.sim.result import Progress, SimResult
 from p2p_diloco.sim.swarm import AsyncSwarm
-from p2p_diloco.train.data import Corpus, load_corpus
+from p2p_diloco.train.data.corpus import Corpus, load_corpus
 
 
-def simulate(spec: RunSpec, sim: SimConfig, corpus: Corpus | None = None, progress=None) -> SimResult:
+def simulate(spec: RunSpec, sim: SimConfig, corpus: Corpus | None = None,
+             progress: Progress | None = None) -> SimResult:
     spec.validate()
     sim.validate()
     if sim.method != "async" and (sim.crash or sim.join):

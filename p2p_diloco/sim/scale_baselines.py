@@ -87,7 +87,7 @@ def _work(cfg: ScaleConfig, clock: FailureClock, start: float, work: float, hori
         out["lost"] += done - saved
         out["checkpoint"] += ck
         remaining -= saved
-        up_at, _ = recover(failed_at, lambda: clock.next_at, clock.pop, cfg.repair_s, cfg.restart_s, horizon)
+        up_at, _ = recover(failed_at, clock.peek, clock.pop, cfg.repair_s, cfg.restart_s, horizon)
         out["down"] += up_at - failed_at
         t = up_at
 
@@ -101,8 +101,7 @@ def _barrier(cfg: ScaleConfig, clocks: Sequence[FailureClock], costs: list[dict[
         for clock, cost in zip(clocks, costs):
             while clock.next_at < barrier + allreduce_s and barrier < horizon:
                 failed_at = clock.pop()
-                up_at, _ = recover(failed_at, lambda c=clock: c.next_at, clock.pop, cfg.repair_s, cfg.restart_s,
-                                   horizon)
+                up_at, _ = recover(failed_at, clock.peek, clock.pop, cfg.repair_s, cfg.restart_s, horizon)
                 cost["down"] += up_at - failed_at
                 barrier = max(barrier, up_at)
         if barrier == before or barrier >= horizon:

@@ -120,7 +120,7 @@ class FullDissemination:
         update.inflight -= 1
         if life == v.life and v.state == UP and update.holders is not None \
                 and not sw.has(v, update.sender, update.seq):
-            holder = self._live_holder(update)
+            holder = self._live_holder(update.holders)
             if holder is None:
                 if not update.stranded:
                     update.stranded = True
@@ -131,8 +131,8 @@ class FullDissemination:
                 self._pull(v, holder, update, sw.queue.now + sw.cfg.latency_s)
         self._settle(update)
 
-    def _live_holder(self, update: Update) -> Unit | None:
-        units, holders, rng = self.sw.units, update.holders, self.sw.rng
+    def _live_holder(self, holders: list[int]) -> Unit | None:
+        units, rng = self.sw.units, self.sw.rng
         for _ in range(8):
             u = units[holders[rng.randrange(len(holders))]]
             if u.state == UP:
@@ -179,7 +179,8 @@ class TreeAggregation:
             return  # drained: nothing left to aggregate
         order = list(sw.live)
         sw.rng.shuffle(order)
-        k, depth, levels = sw.cfg.tree_fanin, 0, []
+        k, depth = sw.cfg.tree_fanin, 0
+        levels: list[int] = []
         for i in range(len(order)):
             level = levels[(i - 1) // k] + 1 if i else 0
             levels.append(level)
@@ -210,10 +211,11 @@ class TreeAggregation:
                 continue
             senders = [u.index] if u.index in offers else []
             for c in range(k * i + 1, min(k * i + k + 1, len(order))):
-                if sub[c] is not None:  # an empty subtree sends a header only
-                    senders.extend(sub[c])
-                    payload = sw.cfg.update_bytes if sub[c] else 0
-                    sw.count(order[c], u, payload, sw.cfg.header_bytes + meta * len(sub[c]))
+                child = sub[c]
+                if child is not None:  # an empty subtree sends a header only
+                    senders.extend(child)
+                    payload = sw.cfg.update_bytes if child else 0
+                    sw.count(order[c], u, payload, sw.cfg.header_bytes + meta * len(child))
             sub[i] = senders
         return sub
 

@@ -37,6 +37,10 @@ class FailureClock:
     def _after(self, t: float) -> float:
         return t + self._rng.expovariate(self._rate) if self._rate > 0 else math.inf
 
+    def peek(self) -> float:
+        """The next failure's time, not consumed."""
+        return self.next_at
+
     def pop(self) -> float:
         """Consume the next failure; returns its time."""
         at = self.next_at

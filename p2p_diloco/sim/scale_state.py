@@ -57,7 +57,12 @@ class Unit:
 
 
 class Links(Protocol):
+    """The swarm's uplinks (`Uplinks`, scale_links.py) as the dissemination strategies use them."""
+
     bytes_per_s: float
+
+    def send(self, src: Unit, dst: Unit, payload: int, meta: int, ready_at: float, fn: Callable[..., Any],
+             *args: Any) -> None: ...
 
 
 class SwarmHost(Protocol):
@@ -68,14 +73,26 @@ class SwarmHost(Protocol):
     queue: EventQueue
     rng: random.Random
     units: list[Unit]
-    links: Links
+    live: list[Unit]
+    log: list[list[Update]]
+    stats: dict[str, int]
+    stopped: bool
+
+    @property
+    def links(self) -> Links: ...
 
     def at(self, when: float, fn: Callable[..., Any], *args: Any) -> None: ...
 
     @staticmethod
     def has(u: Unit, sender: int, seq: int) -> bool: ...
 
+    def deliver(self, u: Unit, sender: int, seq: int, at: float) -> bool: ...
+
     def count(self, src: Unit, dst: Unit, payload: int, meta: int) -> None: ...
+
+    def vector_bytes(self) -> int: ...
+
+    def pick_live(self, k: int, exclude: tuple[int, ...]) -> list[Unit]: ...
 
     def receive_many(self, u: Unit, items: list[Update]) -> None: ...
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.scale_gossip import FullDissemination, TreeAggregation
@@ -58,7 +58,7 @@ class DecoupledSwarm:
                 u.audit = set()
         self.gossip = FullDissemination(self) if cfg.gossip == "full" else TreeAggregation(self)
 
-    def at(self, when: float, fn, *args) -> None:
+    def at(self, when: float, fn: Callable[..., Any], *args: Any) -> None:
         """Schedule `fn(*args)` at simulated time `when` (counted)."""
         self.events += 1
         self.queue.push(when, fn, *args)
@@ -105,7 +105,7 @@ class DecoupledSwarm:
 
     def missing(self, u: Unit, donor: Unit) -> list[Update]:
         """What `donor` holds that `u` lacks (O(units + answer))."""
-        out = []
+        out: list[Update] = []
         for s, (mine, theirs) in enumerate(zip(u.vv, donor.vv)):
             if theirs > mine:
                 buf = u.buffered.get(s, ())

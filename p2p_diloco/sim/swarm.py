@@ -17,23 +17,35 @@ import logging
 import random
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from p2p_diloco.config import ConfigError, RunSpec, SimConfig
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
-from p2p_diloco.sim.result import EvalPoint, PeerReport, SimResult, divergence
+from p2p_diloco.sim.result import EvalPoint, PeerReport, Progress, SimResult, divergence
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.store import UpdateStore
-from p2p_diloco.train.data import Corpus, eval_batches
-from p2p_diloco.train.device import resolve_device
+from p2p_diloco.sync.types import UpdateLike
+from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.train.data.corpus import Corpus, eval_batches
+from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.learner import Learner, Phase, SwarmView
 from p2p_diloco.train.loop import Hooks, PhaseBegun, RoundDone, Schedule, Tick, rounds
-from p2p_diloco.wire.envelope import encode_update
+from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 from p2p_diloco.wire.identity import Identity
 
 logger = logging.getLogger(__name__)
+
+ReplicaState = tuple[torch.Tensor, VersionVector]
+"""A replica's (theta, version vector), as `Replica.snapshot()` gives it: a joiner starts from a donor's."""
+
+
+def stored_envelope(update: UpdateLike) -> bytes:
+    """The wire bytes of an update from a peer's store: the simulator's stores hold wire envelopes only (what
+    the peer published, and what its intake decoded)."""
+    return encode_update(cast(OuterUpdate, update))
 
 
 @dataclass
@@ -44,8 +56,8 @@ class SimPeer:
     speed: float
     store: UpdateStore
     exchange: MemoryExchange
+    ticks: Generator[Tick, None, str]  # its round loop, advanced on the simulated clock
     alive: bool = True
-    ticks: Generator[Tick, None, str] | None = None  # its round loop, advanced on the simulated clock
     busy: bool = False  # inside an inner phase
     phase: Phase | None = None
     phase_started: float = 0.0
@@ -77,7 +89,7 @@ class TokenBudget(Hooks):
 class AsyncSwarm:
     """p2p DiLoCo in one process. `run()` returns a `SimResult`."""
 
-    def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, *, progress=None):
+    def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, *, progress: Progress | None = None) -> None:
         self.spec = spec.validate()
         self.sim = sim.validate()
         self.device = resolve_device(sim.device)
@@ -107,17 +119,17 @@ class AsyncSwarm:
     def _shard_of(self, index: int) -> int:
         return index % self.num_shards
 
-    def _add_peer(self, speed: float, state=None) -> SimPeer:
+    def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         index = len(self.peers)
         learner = Learner(self.spec, Identity.generate(), self.corpus, shard=self._shard_of(index),
                           num_shards=self.num_shards, replica_state=state, device=self.device)
+        exchange = MemoryExchange(self.net, learner.peer_id, self._view)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
-                       speed=speed, store=UpdateStore(max_bytes=256 << 20),
-                       exchange=MemoryExchange(self.net, learner.peer_id, self._view), joined_at=self.queue.now)
-        peer.ticks = rounds(learner, peer.exchange, Schedule(), TokenBudget(self))
+                       speed=speed, store=UpdateStore(max_bytes=256 << 20), exchange=exchange,
+                       ticks=rounds(learner, exchange, Schedule(), TokenBudget(self)), joined_at=self.queue.now)
         peer.intake.attach_store(peer.store)  # as the gossip does: take-backs look updates up there
         self.peers.append(peer)
-        self.net.attach(learner.peer_id, lambda data, src, p=peer: self._receive(p, data))
+        self.net.attach(learner.peer_id, lambda data, src: self._receive(peer, data))
         return peer
 
     def _alive(self) -> list[SimPeer]:
@@ -164,7 +176,9 @@ class AsyncSwarm:
     def _advance(self, peer: SimPeer) -> None:
         """Run the inner steps this peer would have finished by now on its simulated clock."""
         due = min(self.spec.inner.inner_steps, int((self.queue.now - peer.phase_started) / peer.step_s + 1e-9))
-        while peer.phase.steps_done < due:
+        phase = peer.phase
+        assert phase is not None, "only a peer inside a phase (busy) advances"
+        while phase.steps_done < due:
             next(peer.ticks)  # one inner step (StepDone)
 
     def _end_phase(self, peer: SimPeer, incarnation: int) -> None:
@@ -197,7 +211,7 @@ class AsyncSwarm:
             settled = self.queue.now - self.sim.anti_entropy_s / 2
             for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=64):
                 if donor.held_since.get((update.sender, update.seq), 0.0) <= settled:
-                    self.net.send(donor.learner.peer_id, peer.learner.peer_id, encode_update(update))
+                    self.net.send(donor.learner.peer_id, peer.learner.peer_id, stored_envelope(update))
         if not self._quiet():
             self.queue.push(self.queue.now + self.sim.anti_entropy_s, self._anti_entropy)
 
@@ -228,7 +242,7 @@ class AsyncSwarm:
         sync_s = peer.learner.numel * 4 / self.net.bytes_per_s + self.sim.latency_s
         self.net.bytes_sent[donor.learner.peer_id] += peer.learner.numel * 4
         for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):
-            peer.intake.receive(encode_update(update))
+            peer.intake.receive(stored_envelope(update))
         logger.info("sim: peer %d joined at t=%.0fs from donor %d", peer.index, self.queue.now, donor.index)
         self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
 

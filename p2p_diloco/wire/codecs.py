@@ -15,11 +15,18 @@ sends can put a NaN or an infinity into a replica (ARCHITECTURE.md "Invariants",
 from __future__ import annotations
 
 import math
+from typing import TypeAlias
 
 import numpy as np
 import torch
 
-from p2p_diloco.config.spec import CODECS as CODEC_NAMES  # one list: `outer.codec` is checked against it
+from p2p_diloco.config.spec import CODECS
+
+CODEC_NAMES = CODECS
+"""The codec names in wire order: config's one list, the one `outer.codec` is checked against."""
+
+Payload: TypeAlias = bytes | memoryview
+"""A compressed payload: bytes, or a read-only view into a kept envelope (wire/envelope.py `retained`)."""
 
 FP16_MAX = 65504.0
 # Smallest normal float32. Block scales are floored here so that 1/scale stays finite and the scale keeps full
@@ -43,7 +50,7 @@ class Codec:
         """Encode `x` (1-D float32, any length, finite values) to exactly `payload_bytes(x.numel())` bytes."""
         raise NotImplementedError
 
-    def decompress(self, data: bytes, numel: int) -> torch.Tensor:
+    def decompress(self, data: Payload, numel: int) -> torch.Tensor:
         """Decode a payload of `numel` values to a new 1-D float32 CPU tensor; `CodecError` if malformed."""
         raise NotImplementedError
 
@@ -58,7 +65,7 @@ class Codec:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
-    def _check_length(self, data: bytes, numel: int) -> None:
+    def _check_length(self, data: Payload, numel: int) -> None:
         # Checked before anything is allocated: the header's numel is untrusted and must agree with the bytes.
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise CodecError(f"{self.name}: numel must be a non-negative int, got {numel!r}")
@@ -97,7 +104,7 @@ def _finite_or_raise(out: torch.Tensor, name: str) -> torch.Tensor:
     return out
 
 
-def _frombuffer(data: bytes, dtype: str, count: int, offset: int = 0) -> np.ndarray:
+def _frombuffer(data: Payload, dtype: str, count: int, offset: int = 0) -> np.ndarray:
     # np.frombuffer gives a read-only view; every caller converts it with a copy into a tensor it owns.
     return np.frombuffer(data, dtype=np.dtype(dtype), count=count, offset=offset)
 
@@ -111,7 +118,7 @@ class Fp32Codec(Codec):
         x = _check_input(x, self.name)
         return x.cpu().numpy().astype("<f4", copy=False).tobytes()
 
-    def decompress(self, data: bytes, numel: int) -> torch.Tensor:
+    def decompress(self, data: Payload, numel: int) -> torch.Tensor:
         self._check_length(data, numel)
         out = torch.from_numpy(_frombuffer(data, "<f4", numel).astype(np.float32))
         return _finite_or_raise(out, self.name)
@@ -137,7 +144,7 @@ class Fp16Codec(Codec):
         half = x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).cpu()
         return half.numpy().astype("<f2", copy=False).tobytes()
 
-    def decompress(self, data: bytes, numel: int) -> torch.Tensor:
+    def decompress(self, data: Payload, numel: int) -> torch.Tensor:
         self._check_length(data, numel)
         half = torch.from_numpy(_frombuffer(data, "<f2", numel).astype(np.float16))
         return _finite_or_raise(half.to(torch.float32), self.name)
@@ -244,7 +251,7 @@ class BlockwiseCodec(Codec):
         out[4 * scale.numel() :] = q.cpu()
         return out.numpy().tobytes()
 
-    def decompress(self, data: bytes, numel: int) -> torch.Tensor:
+    def decompress(self, data: Payload, numel: int) -> torch.Tensor:
         self._check_length(data, numel)
         nblocks = math.ceil(numel / self.block)
         scale = torch.from_numpy(_frombuffer(data, "<f4", nblocks).astype(np.float32))

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from p2p_diloco.wire.codecs import CODEC_NAMES
+from p2p_diloco.wire.codecs import CODEC_NAMES, Payload
 from p2p_diloco.wire.identity import Identity, IdentityError, public_key_from_peer_id, verify
 
 FORMAT_VERSION = 1
@@ -104,7 +104,7 @@ class OuterUpdate:
     header: UpdateHeader
     header_bytes: bytes
     signature: bytes
-    payload: bytes
+    payload: Payload
 
     @property
     def sender(self) -> str:
@@ -135,8 +135,9 @@ class OuterUpdate:
 
 
 def _pack(u: OuterUpdate) -> bytes:
-    return msgpack.packb({"v": FORMAT_VERSION, "h": u.header_bytes, "s": u.signature, "p": u.payload},
-                         use_bin_type=True)
+    envelope: bytes = msgpack.packb({"v": FORMAT_VERSION, "h": u.header_bytes, "s": u.signature, "p": u.payload},
+                                    use_bin_type=True)  # msgpack is untyped; packb returns bytes
+    return envelope
 
 
 def retained(u: OuterUpdate) -> OuterUpdate:

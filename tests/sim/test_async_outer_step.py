@@ -13,7 +13,6 @@ import torch
 
 from p2p_diloco.config import SimConfig, preset
 from p2p_diloco.sim.runner import simulate
-from p2p_diloco.train.data import load_corpus
 
 BASE = preset("test")
 BASE = dataclasses.replace(BASE, data=dataclasses.replace(BASE.data, max_corpus_mb=1.0),
@@ -21,9 +20,7 @@ BASE = dataclasses.replace(BASE, data=dataclasses.replace(BASE.data, max_corpus_
                                                      schedule_clock="own"))
 
 
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(BASE.data)
+pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the stdlib
 
 
 @pytest.mark.parametrize("outer", [{}, {"momentum": 0.9, "outer_lr": 0.7}],

@@ -12,7 +12,7 @@ import pytest
 
 from p2p_diloco.config import DefenceConfig, SimConfig, preset
 from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +35,7 @@ def test_ten_poisoning_identities_cost_the_honest_replicas_at_most_five_percent(
     scalers = {identity.peer_id for i, identity in enumerate(swarm.crowd) if i % 2 == 1}
     for peer in swarm._alive():
         replica = peer.learner.replica
-        weights = {(pid, seq): replica._merged.multiplier(pid, seq) for pid in flippers
+        weights = {(pid, seq): replica.merged_weight(pid, seq) for pid in flippers
                    for seq in range(1, replica.version_vector.get(pid) + 1)}
         assert weights and not any(weights.values()), "a sign-flipping identity kept its weight somewhere"
         assert flippers.isdisjoint(replica.standing.recent)  # nor counts in the swarm's size

@@ -7,15 +7,12 @@ import torch
 
 from p2p_diloco.config import ConfigError, SimConfig, preset
 from p2p_diloco.sim.runner import simulate
-from p2p_diloco.train.data import load_corpus
 
 SPEC = preset("test")  # H = 20
 SPEC = dataclasses.replace(SPEC, data=dataclasses.replace(SPEC.data, max_corpus_mb=1.0))
 
 
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus(SPEC.data)
+pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the stdlib
 
 
 def test_four_peers_lower_eval_loss_and_agree_when_quiet(corpus):
