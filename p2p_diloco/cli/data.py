@@ -1,4 +1,4 @@
-"""`p2p-diloco data prepare SOURCE... --out DIR`: tokenize text into a token dataset (train/tokens_prepare.py).
+"""`p2p-diloco data prepare SOURCE... --out DIR`: tokenize text into a token dataset (train/data/tokens_prepare.py).
 
 The heavy imports (tokenizers, datasets, torch) happen only when the command runs: every `p2p-diloco ...`
 invocation builds all sub-parsers.
@@ -86,8 +86,8 @@ class _Progress:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from p2p_diloco.train.tokens_prepare import prepare
-    from p2p_diloco.train.tokens_sources import STDLIB_SOURCE
+    from p2p_diloco.train.data.tokens_prepare import prepare
+    from p2p_diloco.train.data.tokens_sources import STDLIB_SOURCE
 
     sources = list(args.sources) + ([STDLIB_SOURCE] if args.stdlib else [])
     if not sources and not args.hf_dataset:

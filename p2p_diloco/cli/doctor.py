@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from p2p_diloco.cli.args import Options, add_config_args, load_config
 from p2p_diloco.cli.options import JOIN_SHOWN
 from p2p_diloco.config.doctor import DoctorConfig
+
+if TYPE_CHECKING:  # imported where used: `doctor --help` starts neither hivemind nor torch
+    from p2p_diloco.net.discovery.bootstraps import Report
+    from p2p_diloco.net.discovery.doctor import Diagnosis
+    from p2p_diloco.wire.identity import Identity
 
 DOCTOR_SHOWN = {
     **{field: flag for field, flag in JOIN_SHOWN.items() if field.startswith("network.")},  # the join's, as typed
@@ -75,7 +80,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if diagnosis.ok else 1
 
 
-def verdict(diagnosis: Any) -> str:
+def verdict(diagnosis: Diagnosis) -> str:
     if diagnosis.ok:
         return f"verdict: OK, a join from here would work (this host is {diagnosis.reachability})"
     if not any(b.reachable for b in diagnosis.bootstraps):
@@ -85,13 +90,14 @@ def verdict(diagnosis: Any) -> str:
     return f"verdict: NOT OK, a join from here would not work: {why} (fixes above)"
 
 
-async def run_doctor(config: DoctorConfig, report: Any) -> Any:
+async def run_doctor(config: DoctorConfig, report: Report) -> Diagnosis:
     """Steps a-b (no node), then a node started as `join` would start it, steps d-g on it; the Diagnosis."""
     import asyncio
     import dataclasses
     import tempfile
 
-    from p2p_diloco.net.discovery.doctor import Diagnosis, Finding, check_bootstraps, diagnose
+    from p2p_diloco.net.discovery.bootstraps import Finding, check_bootstraps
+    from p2p_diloco.net.discovery.doctor import Diagnosis, diagnose
     from p2p_diloco.net.discovery.records import PeerRecordValidator
     from p2p_diloco.net.transport.addresses import node_config
     from p2p_diloco.net.transport.node import NodeError, SwarmNode
@@ -112,9 +118,9 @@ async def run_doctor(config: DoctorConfig, report: Any) -> Any:
             node = await SwarmNode.start(identity_path, node_cfg,
                                          record_validators=[PeerRecordValidator([config.run_id])])
         except (NodeError, IdentityError, OSError, RuntimeError, asyncio.TimeoutError) as err:
-            err = err if str(err) else type(err).__name__
-            report(f"node      did not start: {err}")
-            findings.append(Finding(f"a node with these options did not start: {err}",
+            why = str(err) or type(err).__name__
+            report(f"node      did not start: {why}")
+            findings.append(Finding(f"a node with these options did not start: {why}",
                                     "fix what the message names, then run doctor again"))
             return Diagnosis(bootstraps=checks, findings=findings)
         try:
@@ -128,7 +134,7 @@ async def run_doctor(config: DoctorConfig, report: Any) -> Any:
     return diagnosis
 
 
-def _identity_path(identity: str, tmp: str, identity_cls: Any) -> str:
+def _identity_path(identity: str, tmp: str, identity_cls: type[Identity]) -> str:
     """The --identity file (created if missing, never overwritten), or a throwaway one in `tmp`."""
     from pathlib import Path
 

@@ -9,7 +9,7 @@
   by the joiners' state-sync client (net/statesync/client.py).
 The model is rebuilt from the run's spec: recorded in the checkpoint (or published on the DHT); for an older
 checkpoint or a theta.pt, pass the --preset / --config (and --model, --corpus) the peer joined with, which are
-checked against the recorded spec hash. The conversion itself is train/export.py.
+checked against the recorded spec hash. The conversion itself is train/models/export.py.
 
 `generate FOLDER --prompt TEXT` samples from such a folder with transformers' `generate`.
 
@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.cli.swarm import _fail
-from p2p_diloco.config import PRESETS, ConfigError
+from p2p_diloco.config import PRESETS, ConfigError, RunSpec
+
+if TYPE_CHECKING:  # imported where used: `export --help` imports neither torch nor transformers
+    from p2p_diloco.train.models.export import State
 
 SPEC_OPTIONS = {"run_id": "join__spec__run_id", "model": "join__spec__model__arch",
                 "corpus": "join__spec__data__corpus"}
@@ -85,7 +88,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.timeout_s <= 0:
         return _fail("export", f"--timeout-s must be > 0, got {args.timeout_s}")
     _quiet_transformers()
-    from p2p_diloco.train.export import export_folder
+    from p2p_diloco.train.models.export import export_folder
 
     try:
         spec, state = _from_swarm(args) if args.bootstrap else _from_checkpoint(args)
@@ -102,18 +105,18 @@ def _spec_given(args: argparse.Namespace) -> bool:
     return bool(args.preset or args.config or any(getattr(args, dest) for dest in SPEC_OPTIONS.values()))
 
 
-def _spec_from_args(args: argparse.Namespace) -> Any:
+def _spec_from_args(args: argparse.Namespace) -> RunSpec:
     """The spec the --preset / --config / --model / --corpus options give, resolved like join's."""
     from p2p_diloco.cli.args import load_config
     from p2p_diloco.config import JoinConfig, preset
-    from p2p_diloco.train.resolve import resolve_spec
+    from p2p_diloco.train.data.resolve import resolve_spec
 
     config = load_config(JoinConfig(spec=preset(args.preset or "test")), args, "join")
     return resolve_spec(config.spec.validate())
 
 
-def _from_checkpoint(args: argparse.Namespace) -> tuple[Any, Any]:
-    from p2p_diloco.train.export import ExportError, read_state
+def _from_checkpoint(args: argparse.Namespace) -> tuple[RunSpec, State]:
+    from p2p_diloco.train.models.export import ExportError, read_state
 
     state = read_state(args.checkpoint)
     spec = state.spec()
@@ -134,7 +137,7 @@ def _from_checkpoint(args: argparse.Namespace) -> tuple[Any, Any]:
     return spec, state
 
 
-def _from_swarm(args: argparse.Namespace) -> tuple[Any, Any]:
+def _from_swarm(args: argparse.Namespace) -> tuple[RunSpec, State]:
     import asyncio
 
     from p2p_diloco.net.statesync.client import StateSyncError
@@ -150,19 +153,19 @@ def _from_swarm(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ConfigError(f"the swarm did not answer within {args.timeout_s:g}s") from None
 
 
-async def _fetch_replica(bootstrap: tuple[str, ...], run_id: str, timeout_s: float) -> tuple[Any, Any]:
+async def _fetch_replica(bootstrap: tuple[str, ...], run_id: str, timeout_s: float) -> tuple[RunSpec, State]:
     """(spec, State) of the freshest live replica of `run_id`, fetched and verified through state sync."""
     import asyncio
     import dataclasses
     import tempfile
 
     from p2p_diloco.cli.status import _reader_node
-    from p2p_diloco.config import RunSpec, StateSyncConfig, StatusConfig
+    from p2p_diloco.config import StateSyncConfig, StatusConfig
     from p2p_diloco.net.discovery.records import fetch_run_spec, list_peers
     from p2p_diloco.net.discovery.status import number
     from p2p_diloco.net.statesync.client import fetch_snapshot
-    from p2p_diloco.train.export import ExportError, State
-    from p2p_diloco.train.model import build_model
+    from p2p_diloco.train.models.build import build_model
+    from p2p_diloco.train.models.export import ExportError, State
 
     config = StatusConfig(bootstrap=bootstrap, run_id=run_id, timeout_s=timeout_s).validate()
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-export-") as tmp:
@@ -214,7 +217,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from p2p_diloco.train.device import resolve_device
+    from p2p_diloco.train.hardware.device import resolve_device
 
     device = resolve_device(args.device)
     try:
@@ -223,7 +226,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                      dtype=torch.float32 if device == "cpu" else "auto")
     except (OSError, ValueError) as err:
         return _fail("generate", f"cannot load {folder}: {type(err).__name__}: {err}")
-    model.to(device).eval()
+    module: torch.nn.Module = model  # transformers types its wrapped `to` without `self`; the model is a Module
+    module.to(device).eval()
     ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
         if tokenizer.bos_token_id is None:

@@ -56,7 +56,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise CliError(f"cannot write {path}: folder {Path(path).resolve().parent} does not exist")
     from p2p_diloco.sim.plot import plot_curves  # torch only once the options are known to be good
     from p2p_diloco.sim.runner import simulate
-    from p2p_diloco.train.resolve import load_training_data, resolve_spec
+    from p2p_diloco.train.data.resolve import load_training_data, resolve_spec
 
     spec = resolve_spec(spec)  # --model PATH, a token dataset's vocabulary and fingerprints
     corpus = load_training_data(spec.data, block_size=spec.model.block_size)

@@ -2,7 +2,8 @@
 
 `status` prints one table (or the raw records with --json) and exits; `--watch` keeps a live view (view/terminal.py)
 refreshed every --interval-s until Ctrl-C. A bootstrap with --status-port serves the same snapshot as a web page
-(`SwarmWatcher`). None of them trains or holds a replica: they read the signed peer records, nothing else.
+(bootstrap/watcher.py `SwarmWatcher`). None of them trains or holds a replica: they read the signed peer records,
+nothing else.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,20 +55,12 @@ async def _reader_node(config: StatusConfig, tmp: str) -> Any:
     return await SwarmNode.start(path, node_config, record_validators=[PeerRecordValidator([config.run_id])])
 
 
-async def read_run(node: Any, run_id: str, timeout_s: float) -> tuple[str | None, dict[str, dict]]:
-    """(the run's spec hash or None, every peer record of the run)."""
-    from p2p_diloco.net.discovery.records import fetch_run_spec, list_peers
-
-    spec = await fetch_run_spec(node, run_id, timeout_s=timeout_s)
-    records = await list_peers(node, run_id, timeout_s=timeout_s)
-    return (spec[1] if spec else None), records
-
-
 async def _status(config: StatusConfig) -> int:
     import json
     import tempfile
 
-    from p2p_diloco.net.discovery.status import rejection_details, status_table
+    from p2p_diloco.net.discovery.records import read_run
+    from p2p_diloco.view.table import rejection_details, status_table
 
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-status-") as tmp:
         node = await _reader_node(config, tmp)
@@ -98,23 +90,25 @@ def _watch(config: StatusConfig) -> int:
     """The live view: one reader node on a network thread, a snapshot per refresh, until Ctrl-C."""
     import tempfile
 
+    from p2p_diloco.net.discovery.records import read_run
     from p2p_diloco.net.transport.netloop import NetLoop
+    from p2p_diloco.view.figures import ReplicaWatch
     from p2p_diloco.view.snapshot import Curves, build_snapshot
     from p2p_diloco.view.terminal import watch
 
     loop = NetLoop()
-    curves = Curves()
+    curves, replicas = Curves(), ReplicaWatch()
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-status-") as tmp:
         node = None
         try:
             node = loop.wait(_reader_node(config, tmp), timeout_s=config.timeout_s + 10)
-            observer = {"kind": "status", "peer_id": None, "reachability": "unknown", "addrs": []}
+            observer: dict[str, object] = {"kind": "status", "peer_id": None, "reachability": "unknown", "addrs": []}
 
             def fetch() -> dict:
                 spec_hash, records = loop.wait(read_run(node, config.run_id, config.timeout_s),
                                                timeout_s=2 * config.timeout_s + 5)
                 return build_snapshot(run_id=config.run_id, spec_hash=spec_hash, now=time.time(), records=records,
-                                      observer=observer, curves=curves)
+                                      observer=observer, curves=curves, replicas=replicas)
 
             return watch(fetch, interval_s=config.interval_s)
         finally:
@@ -124,39 +118,3 @@ def _watch(config: StatusConfig) -> int:
                 except Exception:  # leaving cleanly is best effort: the daemon dies with us anyway
                     pass
             loop.close()
-
-
-class SwarmWatcher:
-    """The bootstrap's view of its runs for the status page: the records of one run, re-read every `every_s` on
-    the node's loop (`refresh_loop`), and a snapshot of the newest read on request (any thread)."""
-
-    def __init__(self, node: Any, run_id: str, *, reachability: str, timeout_s: float, every_s: float = 2.0) -> None:
-        from p2p_diloco.view.snapshot import Curves, reachability_of
-
-        self.node, self.run_id, self.timeout_s, self.every_s = node, run_id, timeout_s, every_s
-        self.curves = Curves()
-        self._records: dict[str, dict] = {}  # replaced whole
-        self._spec_hash: str | None = None
-        self._lock = threading.Lock()
-        self.observer = {"kind": "bootstrap", "peer_id": node.peer_id, "addrs": node.visible_maddrs()[:8],
-                         "reachability": reachability or reachability_of(node.visible_maddrs())}
-
-    async def refresh_loop(self) -> None:
-        import logging
-
-        while True:
-            try:
-                spec_hash, records = await read_run(self.node, self.run_id, self.timeout_s)
-                self._spec_hash, self._records = spec_hash, records
-                with self._lock:
-                    self.curves.observe(records, time.time())
-            except Exception as e:  # a slow DHT must not end the page's updates
-                logging.getLogger(__name__).debug("status page refresh failed error=%r", e)
-            await asyncio.sleep(self.every_s)
-
-    def snapshot(self) -> dict:
-        from p2p_diloco.view.snapshot import build_snapshot
-
-        with self._lock:
-            return build_snapshot(run_id=self.run_id, spec_hash=self._spec_hash, now=time.time(),
-                                  records=self._records, observer=self.observer, curves=self.curves)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from p2p_diloco.cli.args import add_config_args, add_run_args, load_config
 from p2p_diloco.cli.options import bootstrap_options, join_options, status_options
-from p2p_diloco.cli.status import SwarmWatcher, cmd_status
+from p2p_diloco.cli.status import cmd_status
 from p2p_diloco.config import BootstrapConfig, JoinConfig, preset
 
 
@@ -79,7 +78,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _fail("join", err)
     # torch and hivemind only now: a mistake in the options or the --config file answers in half a second, not 5.
     from p2p_diloco.config import ConfigError
-    from p2p_diloco.train.unit import is_follower
+    from p2p_diloco.train.hardware.unit import is_follower
 
     helpers = []
     if config.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
@@ -123,7 +122,7 @@ def _launch_unit(config: Any, argv: list[str]) -> list:
     import torch
 
     from p2p_diloco.config import ConfigError
-    from p2p_diloco.train.device import resolve_device
+    from p2p_diloco.train.hardware.device import resolve_device
 
     gpus, batch = config.training.gpus, config.spec.data.batch_size
     if batch % gpus:  # checked before anything starts, not as N tracebacks
@@ -168,9 +167,9 @@ def _follow(config: Any) -> int:
     # Ctrl-C reaches the whole terminal's process group: rank 0 handles it (finishes or leaves, then says stop);
     # a training rank must not die mid-collective and leave rank 0 waiting.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from p2p_diloco.train.compute import Compute
-    from p2p_diloco.train.resolve import resolve_spec
-    from p2p_diloco.train.unit import RankGroup, follow, unit_device
+    from p2p_diloco.train.data.resolve import resolve_spec
+    from p2p_diloco.train.hardware.compute import Compute
+    from p2p_diloco.train.hardware.unit import RankGroup, follow, unit_device
 
     cfg = config.training
     if cfg.torch_threads:
@@ -214,7 +213,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         config = load_config(BootstrapConfig(), args, "bootstrap").validate()
     except ValueError as err:
         return _fail("bootstrap", err)
-    from p2p_diloco.config import ConfigError  # the heavy imports after the options are known to be good
+    from p2p_diloco.bootstrap.node import run_bootstrap  # the heavy imports after the options are known to be good
+    from p2p_diloco.config import ConfigError
     from p2p_diloco.net.transport.node import NodeError
     from p2p_diloco.peer.signals import install_stop_handlers
     from p2p_diloco.wire.identity import IdentityError
@@ -222,76 +222,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
-        asyncio.run(_bootstrap(config, stop))
+        asyncio.run(run_bootstrap(config, stop))
     except (ConfigError, IdentityError, NodeError) as err:
         return _fail("bootstrap", err)
     return 0
-
-
-async def _bootstrap(config: BootstrapConfig, stop: Any) -> None:
-    import asyncio
-    import time
-
-    from p2p_diloco.net.discovery.records import PeerRecordValidator, list_peers
-    from p2p_diloco.net.discovery.status import live
-    from p2p_diloco.net.transport.addresses import announce_maddr, listen_maddr
-    from p2p_diloco.net.transport.netloop import exit_with_parent
-    from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
-    from p2p_diloco.net.transport.probe import serve_probe
-    from p2p_diloco.net.transport.relay import RelayServer
-    from p2p_diloco.wire.identity import Identity
-
-    identity_path = str(Path(config.identity).expanduser())
-    identity = Identity.load_or_create(identity_path)
-    run_ids = sorted({"default", *config.run_id})
-    node_config = NodeConfig(host_maddrs=(listen_maddr(config.host, config.port),),
-                             announce_maddrs=tuple(announce_maddr(a, config.port) for a in config.announce),
-                             force_reachability=config.reachability or None)
-    node = await SwarmNode.start(identity_path, node_config, record_validators=[PeerRecordValidator(run_ids)])
-    exit_with_parent(node)
-    page = None
-    try:
-        await serve_probe(node)  # `doctor` (and joiners) ask us to dial them back and time an upload
-        relay = RelayServer(node.p2p)  # streams between peers behind NAT (net/transport/relay.py)
-        await relay.start()
-        print(f"bootstrap ready (peer id {identity.peer_id}; checks records of runs: {', '.join(run_ids)})")
-        for maddr in node.visible_maddrs():
-            print(maddr)
-        print("peers join with: p2p-diloco join --bootstrap <one of the addresses above>", flush=True)
-        if config.status_port >= 0:
-            page, refresher = _status_page(node, config)
-            print(f"status page: {page.url} (metrics: {page.url}metrics)", flush=True)
-        next_report = time.monotonic() + config.report_s
-        while not stop.is_set():
-            await asyncio.sleep(0.2)
-            if config.report_s > 0 and time.monotonic() >= next_report:
-                next_report = time.monotonic() + config.report_s
-                counts = []
-                for run_id in run_ids:
-                    try:
-                        counts.append(f"{run_id}={len(live(await list_peers(node, run_id, config.dht_timeout_s)))}")
-                    except Exception as e:  # a report is best effort
-                        counts.append(f"{run_id}=? ({type(e).__name__})")
-                print(f"live peers: {' '.join(counts)}; relayed streams {relay.stats.forwarded} "
-                      f"({relay.stats.bytes / 1e6:.1f} MB), {relay.stats.active} open", flush=True)
-        print("bootstrap stopping", flush=True)
-    finally:
-        if page is not None:
-            refresher.cancel()
-            page.close()
-        await node.shutdown()
-
-
-def _status_page(node: Any, config: BootstrapConfig) -> tuple[Any, Any]:
-    """The bootstrap's status page and /metrics (the first run id given, else 'default') and the task that
-    re-reads the run's records on the node's loop."""
-    import asyncio
-
-    from p2p_diloco.view.metrics import metrics_endpoint
-    from p2p_diloco.view.web import StatusServer
-
-    watcher = SwarmWatcher(node, (config.run_id or ("default",))[0], reachability=config.reachability,
-                           timeout_s=config.dht_timeout_s)
-    page = StatusServer(watcher.snapshot, host=config.status_host, port=config.status_port,
-                        metrics=metrics_endpoint(watcher.snapshot)).start()
-    return page, asyncio.get_running_loop().create_task(watcher.refresh_loop(), name="status-page")

@@ -7,11 +7,15 @@ None waits on the network (invariant 4).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
-from typing import Any
 
 from p2p_diloco.net.discovery.status import MAX_WEIGHTED_PEERS, swarm_samples_per_round
+from p2p_diloco.peer.network import PeerNetwork
+from p2p_diloco.train.learner import SwarmView
+from p2p_diloco.wire.envelope import OuterUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -24,27 +28,23 @@ least MIN_VIEW_WINDOW_S): a peer a few times slower than us still counts between
 class SwarmExchange:
     """The round loop's view of a `PeerNetwork` (peer/network.py) running on `loop`."""
 
-    def __init__(self, network: Any, loop: Any, samples_per_update: float) -> None:
+    def __init__(self, network: PeerNetwork, loop: asyncio.AbstractEventLoop, samples_per_update: float) -> None:
         self.network, self.loop, self.samples_per_update = network, loop, samples_per_update
-        self.last_publish: Any = None  # concurrent.futures.Future of the last hand-over
+        self.last_publish: concurrent.futures.Future[None] | None = None  # the last hand-over
         self.sent_at_publish = 0  # our bytes_sent counter when the last update was handed over
         self.last_nbytes = 0  # and that update's size
         self._last_view_at: float | None = None
         self._backlog = 0  # the last backlog read (kept if a read ever fails)
 
-    def publish(self, update: Any) -> None:
-        import asyncio
-
+    def publish(self, update: OuterUpdate) -> None:
         self.last_publish = asyncio.run_coroutine_threadsafe(self.network.publish(update), self.loop)
         self.sent_at_publish, self.last_nbytes = self.network.counters.get("bytes_sent", 0), update.nbytes
 
-    def swarm_view(self) -> Any:  # -> SwarmView
+    def swarm_view(self) -> SwarmView:
         """How many peers' worth of updates the swarm makes per round, as our replica saw them merge within the
         last few of our rounds (sync/standing.py `swarm_size`): a newcomer on probation counts a fraction, a
         refused identity nothing. Never the DHT records: a crowd of fresh identities writes as many as it likes,
         and each would shrink every honest update's weight. A local read; it never waits on the network."""
-        from p2p_diloco.train.learner import SwarmView
-
         now = time.monotonic()
         window_s = max(MIN_VIEW_WINDOW_S, VIEW_WINDOW_ROUNDS * (now - self._last_view_at)) \
             if self._last_view_at else MIN_VIEW_WINDOW_S

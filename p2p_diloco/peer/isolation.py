@@ -1,4 +1,4 @@
-"""A peer never trains alone while saying it is in a swarm (issue 12): `IsolationDetector` notices a peer that
+"""A peer never trains alone while saying it is in a swarm: `IsolationDetector` notices a peer that
 sees other members publish updates on the DHT but merges none of them, and `diagnose` says why from what the
 network counted, with the fix.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 MIN_ROUNDS = 3
 """Rounds without a merge from anyone, while another member publishes, before a peer says it is alone."""
@@ -88,17 +87,17 @@ class Diagnosis:
     evidence: dict[str, int] = field(default_factory=dict)  # the counts it was drawn from (this window)
 
 
-def _int(value: Any) -> int:
+def _int(value: object) -> int:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return int(value) if ok else 0
 
 
-def _delta(now: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, int]:
+def _delta(now: Mapping[str, object], before: Mapping[str, object]) -> dict[str, int]:
     out = {k: _int(v) - _int(before.get(k)) for k, v in now.items() if isinstance(k, str)}
     return {k: n for k, n in out.items() if n > 0}
 
 
-def diagnose(counters: Mapping[str, Any], rejected_by: Mapping[str, Any]) -> Diagnosis:
+def diagnose(counters: Mapping[str, object], rejected_by: Mapping[str, object]) -> Diagnosis:
     """Why nothing merges, from the network's counters (`PeerNetwork.counters`: pulls, pull_failures,
     announce_failures, announces_received...) and the refusals by reason (the record's `rejected_by`: the
     intake's outcomes and the guard's counts, which include each failed pull's kind), both counted over the
@@ -178,7 +177,7 @@ class Verdict:
         return (f"{self.publishing} publishing peer(s) unreached for {self.rounds} rounds: {self.diagnosis.reason}"
                 f"{_evidence(self.diagnosis)}. Fix: {self.diagnosis.fix}")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = self.diagnosis
         return {"alone": self.alone, "change": self.event, "rounds": self.rounds, "seconds": round(self.seconds, 1),
                 "publishing": self.publishing, "unreached": [dict(u) for u in self.unreached],
@@ -209,8 +208,8 @@ class IsolationDetector:
         self._rejected: dict[str, int] = {}
         self._alone_since: int = 0  # round it became alone (for the reminders)
 
-    def observe(self, at_round: int, now: float, peers: Mapping[str, Mapping[str, Any]], vector: Mapping[str, int],
-                counters: Mapping[str, Any] | None = None, rejected_by: Mapping[str, Any] | None = None, *,
+    def observe(self, at_round: int, now: float, peers: Mapping[str, Mapping[str, object]], vector: Mapping[str, int],
+                counters: Mapping[str, object] | None = None, rejected_by: Mapping[str, object] | None = None, *,
                 ignore: Iterable[str] = ()) -> Verdict:
         """One round: `peers` the live member records, `vector` our replica's version vector, `counters` the
         network's counters and `rejected_by` the refusals by reason (cumulative; the detector takes deltas),
@@ -259,7 +258,7 @@ class IsolationDetector:
                                diagnosis)
         return self.verdict
 
-    def _reset(self, at_round: int, now: float, peers: Mapping[str, Mapping[str, Any]], counters: dict[str, int],
+    def _reset(self, at_round: int, now: float, peers: Mapping[str, Mapping[str, object]], counters: dict[str, int],
                rejected: dict[str, int]) -> None:
         self.alone = False
         self._start = (at_round, now)
@@ -267,7 +266,7 @@ class IsolationDetector:
         self._counters, self._rejected = counters, rejected
 
 
-def alone_lines(records: Mapping[str, Mapping[str, Any]], limit: int = 400) -> list[str]:
+def alone_lines(records: Mapping[str, Mapping[str, object]], limit: int = 400) -> list[str]:
     """`status` footer: one line per peer whose (untrusted) record says it is alone."""
     lines = []
     for pid, record in sorted(records.items()):

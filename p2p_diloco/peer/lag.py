@@ -1,4 +1,4 @@
-"""When a running peer cannot catch up by pulls (issue 12): the detector, pure (no I/O, no clock of its own).
+"""When a running peer cannot catch up by pulls: the detector, pure (no I/O, no clock of its own).
 
 Pulls bring a sender's updates in seq order: a replica merges `(sender, seq)` only as `V[sender] + 1` (or a hole).
 So a replica that can catch up by pulls moves its entry for every sender that others hold more of. It cannot

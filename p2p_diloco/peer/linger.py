@@ -1,4 +1,13 @@
-"""After the last round: keep serving and merging until every live peer holds our replica (the swarm is quiet)."""
+"""After the last round: keep serving and merging until every live peer holds our replica (the swarm is quiet).
+
+Quiet is judged from the peers' records (net/discovery/status.py `is_quiet`): every other live peer must say
+"done" and name our version vector's digest. A peer still "syncing" or "training" has not published all its
+updates yet, so the swarm is not quiet while one is listed. The judgment must hold on two reads of the records
+in a row (the list is replaced whole on each read), so one read from before a newcomer's first record, or
+before a peer's last update reached us, cannot end the linger on its own. A peer that has not announced itself
+at all cannot be waited for: a run that needs every unit's updates in every replica starts every unit before
+any can finish its rounds.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from p2p_diloco.net.discovery.status import is_quiet
+
+CHECK_INTERVAL_S = 0.5
+QUIET_READS = 2
+"""Reads of the peer records in a row that must find the swarm quiet."""
 
 
 def linger(network: Any, learner: Any, *, stop: threading.Event, linger_s: float, at_round: int,
@@ -19,13 +32,17 @@ def linger(network: Any, learner: Any, *, stop: threading.Event, linger_s: float
     out(f"finished {at_round} rounds; serving until the swarm is quiet (at most {linger_s:g}s)")
     log.write("linger", round=at_round)
     deadline = time.monotonic() + linger_s
-    quiet_checks = 0
-    while not stop.wait(0.5):
+    quiet_reads, last_read = 0, network.peers
+    while not stop.wait(CHECK_INTERVAL_S):
+        records = network.peers
         digest = learner.replica.version_vector.digest().hex()[:16]
-        # Twice in a row: our own record must also have been refreshed since our replica last changed.
-        quiet = is_quiet(network.peers, learner.peer_id, digest) and not network.settling()
-        quiet_checks = quiet_checks + 1 if quiet else 0
-        if quiet_checks >= 2:
+        quiet = is_quiet(records, learner.peer_id, digest) and not network.settling()
+        if not quiet:
+            quiet_reads = 0
+        elif records is not last_read:  # a new read of the records, not the one we judged last time
+            quiet_reads += 1
+        last_read = records
+        if quiet_reads >= QUIET_READS:
             out(f"swarm quiet: every live peer holds version vector {digest}")
             return
         if time.monotonic() > deadline:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+
+from p2p_diloco.net.admission.guard import PeerGuard
+from p2p_diloco.sync.intake import Intake
 
 _NOT_REJECTIONS = ("merged", "buffered")
 
 
-def rejection_totals(intake: Any, guard: Any) -> dict[str, int]:
+def rejection_totals(intake: Intake | None, guard: PeerGuard | None) -> dict[str, int]:
     """Everything refused, by reason: the intake's update outcomes and the guard's network refusals."""
     counts = dict(intake.counts) if intake is not None else {}
     totals = Counter({k: n for k, n in counts.items() if k not in _NOT_REJECTIONS})
@@ -22,12 +24,21 @@ def rejection_totals(intake: Any, guard: Any) -> dict[str, int]:
     return dict(totals)
 
 
-def collect_counters(intake: Any, services: Iterable[Any], server: Any, guard: Any) -> dict[str, int]:
+def updates_rejected(intake: Intake | None) -> int:
+    """The `rejected` figure (view/figures.py): updates that failed the intake's checks. Honest duplicates are
+    not refusals; vetting's verdicts (an update merged at weight 0) are listed by reason in `rejected_by` and the
+    final record's `vetting`; what the network turned away is `refused`."""
+    counts = dict(intake.counts) if intake is not None else {}
+    return sum(n for k, n in counts.items() if k not in (*_NOT_REJECTIONS, "duplicate"))
+
+
+def collect_counters(intake: Intake | None, services: Iterable[object], server: object,
+                     guard: PeerGuard | None) -> dict[str, int]:
     """Intake outcomes, every service's `stats` (gossip, relay, repair), the snapshot bytes the `server` sent
     (counted in `bytes_sent` too: everything we uploaded) and the guard's refusals."""
     counts = dict(intake.counts) if intake is not None else {}
     out = {"merged": counts.get("merged", 0), "duplicate": counts.get("duplicate", 0),
-           "rejected": sum(n for k, n in counts.items() if k not in ("merged", "buffered", "duplicate"))}
+           "rejected": updates_rejected(intake)}
     for service in services:
         stats = getattr(service, "stats", None) or {}
         out.update({k: int(v) for k, v in dict(stats).items() if isinstance(v, (int, float))})
@@ -42,7 +53,7 @@ def collect_counters(intake: Any, services: Iterable[Any], server: Any, guard: A
     return out
 
 
-def uplink_counters(guard: Any) -> dict[str, int]:
+def uplink_counters(guard: PeerGuard) -> dict[str, int]:
     """Bandwidth awareness (net/admission/meter.py): the measured upload rate (`uplink_bps`, bytes/s; 0 before
     the first measurement), the budget the uplink's shares split (`uplink_budget_bps`), what the meter timed
     (`uplink_metered_bytes`, `uplink_samples`) and the fair-share refusals (`uplink_fair_share`)."""

@@ -11,7 +11,12 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from p2p_diloco.sync.version_vector import VersionVector
 
 
 def fmt_bytes(n: float) -> str:
@@ -21,17 +26,22 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def round_line(stats: Mapping[str, Any]) -> str:
+def round_line(stats: Mapping[str, object]) -> str:
     """The one line a peer prints per round."""
     eval_loss = stats.get("eval_loss")
     shown_eval = "  -  " if eval_loss is None else format(eval_loss, ".3f")
+    stretch = stats.get("stretch", 1)
     return (f"round {stats['round']:>4}  step {stats['step']:>6}  loss {stats['loss']:.3f}  "
             f"eval {shown_eval}  peers {stats['peers']}  tau {stats['tau']}  "
-            f"V {stats['vv_total']}  sent {fmt_bytes(stats['bytes_sent'])}  merged {stats['merged']}  "
+            f"V {stats['vv_total']}  sent {fmt_bytes(_number(stats['bytes_sent']))}  merged {stats['merged']}  "
             f"rejected {stats['rejected']}  util {stats['utilization']:.0%}"
             # a phase stretched over k rounds: our uplink had a backlog (train/loop.py)
-            + (f"  stretch x{stats['stretch']}" if stats.get("stretch", 1) > 1 else "")
+            + (f"  stretch x{stretch}" if isinstance(stretch, (int, float)) and stretch > 1 else "")
             + ("  ALONE" if stats.get("alone") else ""))  # merged nothing while others publish: peer/isolation.py
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 class JsonLog:
@@ -43,7 +53,7 @@ class JsonLog:
             Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
             self._file = open(Path(path).expanduser(), "a", encoding="utf-8")  # closed in close()
 
-    def write(self, event: str, **fields: Any) -> None:
+    def write(self, event: str, **fields: object) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
             self._file.flush()
@@ -53,7 +63,8 @@ class JsonLog:
             self._file.close()
 
 
-def save_state(out_dir: str, theta: Any, version_vector: Any, extra: dict) -> tuple[Path, Path]:
+def save_state(out_dir: str, theta: torch.Tensor, version_vector: VersionVector,
+               extra: dict[str, object]) -> tuple[Path, Path]:
     """Write theta.pt and version_vector.json into `out_dir`, each atomically (temp file + rename)."""
     import torch
 

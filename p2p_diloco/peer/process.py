@@ -31,14 +31,33 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+import torch
 
 from p2p_diloco.config import JoinConfig
+from p2p_diloco.net.admission.policy import NetPolicy
 from p2p_diloco.net.discovery.status import shard_for
+from p2p_diloco.net.transport import addresses
+from p2p_diloco.net.transport.netloop import NetLoop, Stopped
+from p2p_diloco.peer.exchange import SwarmExchange
+from p2p_diloco.peer.linger import linger
+from p2p_diloco.peer.network import PeerNetwork
 from p2p_diloco.peer.output import JsonLog
+from p2p_diloco.peer.progress import JoinProgress
 from p2p_diloco.peer.report import PeerReport, print_line
+from p2p_diloco.peer.resume import PeerCheckpoints, Restored, default_checkpoint_dir
+from p2p_diloco.peer.resync import Resync, window_for
+from p2p_diloco.peer.sinks import check_available, open_sinks
+from p2p_diloco.peer.status import PeerStatus
+from p2p_diloco.train.data.corpus import eval_batches
+from p2p_diloco.train.data.resolve import load_training_data, resolve_spec
+from p2p_diloco.train.hardware.compute import Compute
+from p2p_diloco.train.hardware.unit import RankGroup, unit_device
+from p2p_diloco.train.learner import Learner
+from p2p_diloco.train.loop import RoundDone, Schedule, rounds
+from p2p_diloco.wire.identity import Identity
 
-# Light at import time: torch, hivemind and everything that imports them are imported where they are used.
+# Heavy at import time (torch, hivemind): only `join` imports this module, once its options are known to be good.
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +67,9 @@ class Peer:
 
     def __init__(self, config: JoinConfig, *, stop: threading.Event | None = None,
                  finish: threading.Event | None = None, out: Callable[[str], None] | None = None) -> None:
-        from p2p_diloco.net.admission.policy import NetPolicy
-        from p2p_diloco.train.resolve import resolve_spec  # imports torch: here, not at import time
-        from p2p_diloco.train.unit import unit_device
-
         # --model PATH and a token dataset's facts go into the spec before it is hashed, published or compared.
         self.config = dataclasses.replace(config, spec=resolve_spec(config.spec)).validate()
         self.spec = self.config.spec
-        from p2p_diloco.peer.sinks import check_available
-
         self.device = unit_device(config.training.device)  # a missing GPU fails here, before the node starts
         check_available(config.logging)  # so does a TensorBoard or wandb sink whose package is missing
         # access (allow list, run secret) and rate limits
@@ -65,82 +78,70 @@ class Peer:
         self.finish = finish or threading.Event()  # end after this round, then linger (SIGUSR1)
         self.out = out or print_line
         self.log = JsonLog(config.logging.json_log)
-        self.learner: Any = None
-        self.network: Any = None  # PeerNetwork
-        self.report: Any = None  # PeerReport: prints and logs what happens, and is the round loop's hooks
-        self.exchange: Any = None  # SwarmExchange, once training begins
+        # bars on a terminal (peer/progress.py): the state sync's bytes, then each inner phase's steps
+        self.progress = JoinProgress(config.logging.progress, self.spec.inner.inner_steps, out=self.out)
+        self.learner: Learner | None = None
+        self.network: PeerNetwork | None = None
+        self.report: PeerReport | None = None  # prints and logs what happens, and is the round loop's hooks
+        self.exchange: SwarmExchange | None = None  # once training begins
         self.round = 0
-        self.checkpoints: Any = None  # PeerCheckpoints (peer/resume.py), None with --checkpoint-every 0
-        self.progress: Any = None  # JoinProgress (peer/progress.py): bars on a terminal
-        self.status: Any = None  # PeerStatus (peer/status.py): the snapshot, and the status page if asked for
+        self.checkpoints: PeerCheckpoints | None = None  # None with --checkpoint-every 0
+        self.status: PeerStatus | None = None  # the snapshot, and the status page if asked for
         self._ready = False  # the replica is set up (restored or synced) and served: worth a checkpoint on exit
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        from p2p_diloco.net.transport import addresses
-        from p2p_diloco.peer.network import NetLoop, PeerNetwork, Stopped
-        from p2p_diloco.wire.identity import Identity
-
         identity_path = str(Path(self.config.network.identity).expanduser())
         identity = Identity.load_or_create(identity_path)
         self.checkpoints = self._open_checkpoints(identity.peer_id)  # before the node: a second process stops here
-        node_config = addresses.node_config(self.config.network)
         loop = NetLoop()
         try:
-            self.network = PeerNetwork(
-                self.spec, identity, identity_path, node_config, gossip_config=self.config.gossip,
-                sync_config=self.config.statesync, record_ttl_s=self.config.network.record_ttl_s,
-                dht_timeout_s=self.config.network.dht_timeout_s, policy=self.policy)
-            started = loop.submit(self.network.start())
-            self._build_learner(identity)  # while the node starts
-            self._open_views(identity.peer_id)
-            restored = self._restore()
-            how = loop.wait(started, self.stop)
-            self.report.start(how)
+            network = self.network = PeerNetwork(
+                self.spec, identity, identity_path, addresses.node_config(self.config.network),
+                network=self.config.network, gossip=self.config.gossip, statesync=self.config.statesync,
+                policy=self.policy, on_sync_progress=self.progress.sync)
+            started = loop.submit(network.start())
+            learner, static_record = self._build_learner(identity)  # while the node starts
+            report = self.report = self._open_views(identity.peer_id, network, learner)
+            restored = self._restore(learner)
+            up = loop.wait(started, self.stop)
+            report.start(up)
+            network.attach(learner, static_record)
             if restored is None:
-                synced = loop.wait(self.network.sync_state(self.learner), self.stop)
-                self.report.sync(synced)
+                synced = loop.wait(network.sync_state(), self.stop)
+                report.sync(synced)
                 self._adopt_journal()  # no checkpoint, but maybe a journal: never reuse a seq
-            loop.wait(self.network.serve(self.learner), self.stop)
+            loop.wait(network.serve(), self.stop)
             self._ready = True
             if self.checkpoints is not None:
-                self.checkpoints.resume(loop, self.network, self.learner, restored=restored is not None,
+                self.checkpoints.resume(loop, network, learner, restored=restored is not None,
                                         stop=self.stop, stall_s=self.config.checkpoint.catch_up_stall_s,
                                         on_sync=self._adopt_journal)
-            self._train(loop)
+            self._train(loop, network, learner, report)
             self.progress.close()  # the bars go; the linger's lines follow the last round line
-            self._linger()
+            self._linger(network, learner)
         except Stopped:
             self.out("stopping (interrupted during start-up)")
         finally:
             self._finish(loop)
         return 0
 
-    def _build_learner(self, identity: Any) -> None:
-        import torch
-
-        from p2p_diloco.train.compute import Compute
-        from p2p_diloco.train.data import eval_batches
-        from p2p_diloco.train.learner import Learner
-        from p2p_diloco.train.resolve import load_training_data
-        from p2p_diloco.train.unit import RankGroup
-
+    def _build_learner(self, identity: Identity) -> tuple[Learner, dict[str, object]]:
+        """The learner, and the record fields that never change (shard, corpus fingerprint, samples per update)."""
         if self.config.training.torch_threads:
             torch.set_num_threads(self.config.training.torch_threads)
         cfg = self.config.training
         shard = cfg.shard if cfg.shard >= 0 else shard_for(identity.peer_id, cfg.num_shards)
         corpus = load_training_data(self.spec.data, block_size=self.spec.model.block_size)
         compute = Compute.for_training(cfg, self.device)
-        self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
-                               device=self.device, compute=compute, unit=RankGroup.from_env(self.device))
+        learner = self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
+                                         device=self.device, compute=compute, unit=RankGroup.from_env(self.device))
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,
                                      batch_size=self.spec.data.batch_size, num_batches=cfg.eval_batches)
         self.samples_per_update = self.spec.inner.inner_steps * self.spec.data.batch_size
-        self.network.static_record = {"shard": shard, "corpus": corpus.fingerprint,
-                                      "samples_per_update": self.samples_per_update}
         self.out(f"peer {identity.peer_id}")
-        n_windows = getattr(self.learner.sampler, "n_windows", None)
+        n_windows = getattr(learner.sampler, "n_windows", None)
         if n_windows is not None:  # a token dataset: every window once per epoch, shuffled by PeerID and epoch
             self.out(f"data: {n_windows} windows of a sequence, read in this unit's own shuffled order (keyed by "
                      f"the PeerID); {corpus.describe()}")
@@ -148,72 +149,61 @@ class Peer:
             how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
             self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")
         self.log.write("start", peer_id=identity.peer_id, shard=shard, num_shards=cfg.num_shards,
-                       spec_hash=self.spec.spec_hash(), numel=self.learner.numel, device=self.learner.device,
-                       precision=compute.precision, processes=self.learner.unit.world)
-        self.out(f"model {self.spec.model.arch}: {self.learner.numel / 1e6:.2f}M parameters on {self.device} "
-                 f"({compute.precision}" + (f", a unit of {self.learner.unit.world} processes" if
-                                            self.learner.unit.world > 1 else "") + ")")
-        self.report = PeerReport(self.spec, self.learner, self.network, eval_set=self.eval_set, log=self.log,
-                                 out=self.out, checkpoints=self.checkpoints)
+                       spec_hash=self.spec.spec_hash(), numel=learner.numel, device=learner.device,
+                       precision=compute.precision, processes=learner.unit.world)
+        self.out(f"model {self.spec.model.arch}: {learner.numel / 1e6:.2f}M parameters on {self.device} "
+                 f"({compute.precision}" + (f", a unit of {learner.unit.world} processes" if
+                                            learner.unit.world > 1 else "") + ")")
+        return learner, {"shard": shard, "corpus": corpus.fingerprint, "samples_per_update": self.samples_per_update}
 
-    def _open_views(self, peer_id: str) -> None:
-        """Progress bars, the status page (with --status-port) and the optional TensorBoard / wandb sinks."""
-        from p2p_diloco.peer.progress import JoinProgress
-        from p2p_diloco.peer.sinks import open_sinks
-        from p2p_diloco.peer.status import PeerStatus
-
+    def _open_views(self, peer_id: str, network: PeerNetwork, learner: Learner) -> PeerReport:
+        """The report (with the optional TensorBoard / wandb sinks) and the status page (with --status-port)."""
         cfg = self.config.logging
-        self.progress = JoinProgress(cfg.progress, self.spec.inner.inner_steps, out=self.out)
-        self.network.sync_progress = self.progress.sync
-        self.status = self.report.status = PeerStatus(self.network, self.report)
+        report = PeerReport(self.spec, learner, network, eval_set=self.eval_set, log=self.log, out=self.out,
+                            checkpoints=self.checkpoints, sinks=open_sinks(cfg, peer_id, self.spec))
+        self.status = PeerStatus(network, report)
         if cfg.status_port >= 0:
             url = self.status.serve(cfg.status_host, cfg.status_port)
             self.out(f"status page: {url} (metrics: {url}metrics)")
             self.log.write("status_page", url=url)
-        self.report.sinks = open_sinks(cfg, peer_id, self.spec)
+        return report
 
-    # ---- checkpoints and restart (peer/resume.py, train/checkpoint.py) ----------------------------------
+    # ---- checkpoints and restart (peer/resume.py, train/state/) ----------------------------------------------
 
-    def _open_checkpoints(self, peer_id: str) -> Any:
+    def _open_checkpoints(self, peer_id: str) -> PeerCheckpoints | None:
         """The checkpoint folder, opened and locked (None with --checkpoint-every 0)."""
         cfg = self.config.checkpoint
         if cfg.every == 0:
             return None
-        from p2p_diloco.peer.resume import PeerCheckpoints, default_checkpoint_dir
-
         folder = Path(cfg.dir).expanduser() if cfg.dir else \
             default_checkpoint_dir(self.config.logging.out_dir, self.spec.run_id, self.spec.spec_hash(), peer_id)
-        return PeerCheckpoints.open(folder, self.spec, peer_id, keep=cfg.keep, out=self.out,
-                                    log=self.log)
+        return PeerCheckpoints.open(folder, self.spec, peer_id, keep=cfg.keep, out=self.out, log=self.log)
 
-    def _restore(self) -> dict | None:
+    def _restore(self, learner: Learner) -> Restored | None:
         """Load the newest good checkpoint (CPU work, while the node starts); None if there is none."""
-        restored = self.checkpoints.restore(self.learner) if self.checkpoints else None
+        restored = self.checkpoints.restore(learner) if self.checkpoints else None
         if restored is not None:
-            self.round = restored["round"]
+            self.round = int(restored["round"])
         return restored
 
     def _adopt_journal(self) -> int:
         """Our journaled updates into a replica that came from a state sync (seqs stay unique)."""
-        rounds = self.checkpoints.adopt_journal(self.learner) if self.checkpoints else 0
-        self.round += rounds
-        return rounds
+        rounds_adopted = self.checkpoints.adopt_journal(self.learner) if self.checkpoints and self.learner else 0
+        self.round += rounds_adopted
+        return rounds_adopted
 
     # ---- the round loop -------------------------------------------------------------------------------
 
-    def _train(self, loop: Any) -> None:
-        from p2p_diloco.peer.exchange import SwarmExchange
-        from p2p_diloco.train.loop import RoundDone, Schedule, rounds
-
+    def _train(self, loop: NetLoop, network: PeerNetwork, learner: Learner, report: PeerReport) -> None:
         cfg = self.config.training
-        self.exchange = SwarmExchange(self.network, loop.loop, self.samples_per_update)
+        self.exchange = SwarmExchange(network, loop.loop, self.samples_per_update)
         schedule = Schedule(rounds=cfg.rounds, eval_every=cfg.eval_every,
                             checkpoint_every=self.config.checkpoint.every if self.checkpoints else 0,
                             finish_phase_within_s=cfg.finish_phase_within_s, max_stretch=cfg.max_stretch,
                             stretch_backlog=cfg.stretch_backlog)
-        self.report.training_begins(self.round)
-        resync = self._open_resync()
-        ticks = rounds(self.learner, self.exchange, schedule, self.report, start_round=self.round, stop=self.stop,
+        report.training_begins(self.round)
+        resync = self._open_resync(network, learner)
+        ticks = rounds(learner, self.exchange, schedule, report, start_round=self.round, stop=self.stop,
                        finish=self.finish)
         try:
             while True:  # `drive`, with each tick shown on the progress bars
@@ -223,62 +213,60 @@ class Peer:
                     ended = end.value
                     break
                 self.progress.tick(tick)
+                if isinstance(tick, RoundDone) and self.status is not None:
+                    self.status.round_done(report.last)  # the page's history of our rounds
                 if resync is not None and isinstance(tick, RoundDone):  # between rounds: the next phase begins
                     resync.between_rounds(loop, self.stop, tick.round_s)  # at the next `next(ticks)`
                 elif resync is not None:
                     resync.observe()  # never waits on the network: inside an inner phase
         finally:
-            self.round = self.report.round  # also after an error: the exit checkpoint names the rounds done
+            self.round = report.round  # also after an error: the exit checkpoint names the rounds done
         if ended == "finish":
             self.out(f"finishing after round {self.round} (SIGUSR1)")
 
-    def _open_resync(self) -> Any:
+    def _open_resync(self, network: PeerNetwork, learner: Learner) -> Resync | None:
         """The watch that re-syncs state when pulls cannot catch us up (peer/resync.py); None if turned off."""
-        from p2p_diloco.peer.resync import Resync, window_for
-
         window_s = self.config.checkpoint.resync_window_s
         if window_s < 0:
             return None
         journal = self.checkpoints.state.journaled if self.checkpoints is not None else None
-        return Resync(self.network, self.learner, window_s=window_s or window_for(self.config.gossip.anti_entropy_s),
+        return Resync(network, learner, window_s=window_s or window_for(self.config.gossip.anti_entropy_s),
                       fixed=window_s > 0, journal=journal, out=self.out, log=self.log)
 
-    def _linger(self) -> None:
+    def _linger(self, network: PeerNetwork, learner: Learner) -> None:
         """After the last round (not after a stop): keep serving until every live peer holds our replica."""
-        from p2p_diloco.peer.linger import linger
-
         cfg = self.config.training
         if self.stop.is_set() or not (cfg.rounds or self.finish.is_set()) or cfg.linger_s <= 0:
             return
-        linger(self.network, self.learner, stop=self.stop, linger_s=cfg.linger_s, at_round=self.round,
-               out=self.out, log=self.log)
+        linger(network, learner, stop=self.stop, linger_s=cfg.linger_s, at_round=self.round, out=self.out,
+               log=self.log)
 
     # ---- leaving ----------------------------------------------------------------------------------------
 
     def _close_views(self) -> None:
-        for closer in [getattr(self.progress, "close", None), getattr(self.status, "close", None),
-                       *(sink.close for sink in (self.report.sinks if self.report else []))]:
-            if closer is None:
-                continue
+        closers = [self.progress.close, *([self.status.close] if self.status else []),
+                   *(sink.close for sink in (self.report.sinks if self.report else []))]
+        for closer in closers:
             try:
                 closer()
             except Exception as e:  # a view failing to close must not hide how the run ended
                 logger.warning("closing a view failed error=%r", e)
 
-    def _finish(self, loop: Any) -> None:
+    def _finish(self, loop: NetLoop) -> None:
         """Leave the swarm, write the final state, shut the node down: each step bounded, each step tried."""
-        network = self.network
+        network, learner = self.network, self.learner
         try:
-            if self.stop.is_set() and self.exchange is not None and self.network.learner is not None:
+            attached = network is not None and network.learner is not None
+            if self.stop.is_set() and self.exchange is not None and attached:
                 self.exchange.see_last_update_out(self.config.training.finish_phase_within_s)
             if network is not None and network.node is not None:
                 try:
                     loop.wait(network.leave(), timeout_s=15)
                 except Exception as e:
                     logger.warning("leaving the swarm failed error=%r", e)
-            if self.checkpoints is not None and self._ready:
-                self.checkpoints.save(self.learner, round=self.round, why="exit")  # after leaving: no more merges
-            if self.learner is not None and self.network is not None and self.network.learner is not None:
+            if self.checkpoints is not None and self._ready and learner is not None:
+                self.checkpoints.save(learner, round=self.round, why="exit")  # after leaving: no more merges
+            if attached and self.report is not None:
                 self.report.final(self.round, self.config.logging.out_dir)
         finally:
             try:
@@ -287,8 +275,8 @@ class Peer:
             except Exception as e:
                 logger.warning("node shutdown failed error=%r", e)
             loop.close()
-            if self.learner is not None:
-                self.learner.unit.stop()  # the unit's other processes (torchrun) end with rank 0
+            if learner is not None:
+                learner.unit.stop()  # the unit's other processes (torchrun) end with rank 0
             self._close_views()
             self.log.close()
             if self.checkpoints is not None:

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
 from p2p_diloco.train.loop import PhaseBegun, StepDone, Tick
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 SYNC_LINE_EVERY = 0.25
 """Piped: a state-sync line at every quarter of the bytes."""
@@ -20,17 +24,17 @@ class JoinProgress:
     thread); `sync` the state sync's (bytes done, total) (network thread)."""
 
     def __init__(self, mode: str, inner_steps: int, *, stream: TextIO | None = None,
-                 out: Any = print) -> None:
+                 out: Callable[[str], None] = print) -> None:
         self.stream = stream or sys.stdout
         self.bars = mode == "on" or (mode == "auto" and self.stream.isatty())
         self.inner_steps, self.out = inner_steps, out
-        self._progress: Any = None
-        self._phase_task: Any = None
-        self._sync_task: Any = None
+        self._progress: Progress | None = None
+        self._phase_task: TaskID | None = None
+        self._sync_task: TaskID | None = None
         self._sync_shown = -1.0
         self._lock = threading.Lock()
 
-    def _bars(self) -> Any:
+    def _bars(self) -> Progress:
         if self._progress is None:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

@@ -10,13 +10,15 @@ to it ("unknown": streams still fall back to the relays, net/transport/relay.py)
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from p2p_diloco.net.discovery.doctor import check_bootstraps, tcp_port
+from p2p_diloco.net.discovery.bootstraps import check_bootstraps, tcp_port
+from p2p_diloco.net.discovery.records import PeerRecordValidator
 from p2p_diloco.net.discovery.status import number
 from p2p_diloco.net.transport import probe
 from p2p_diloco.net.transport.addresses import as_private
-from p2p_diloco.net.transport.node import NodeError, SwarmNode
+from p2p_diloco.net.transport.node import NodeConfig, NodeError, SwarmNode
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ def tcp_ports(maddrs: list[str]) -> list[int]:
     return sorted({p for m in maddrs if (p := tcp_port(m)) is not None})[:probe.MAX_REACH_PORTS]
 
 
-async def probe_reachability(node, timeout_s: float) -> Reachability:
+async def probe_reachability(node: SwarmNode, timeout_s: float) -> Reachability:
     """Ask the bootstraps in turn until one answers whether it could connect to one of our ports."""
     ports = tcp_ports([*node.visible_maddrs(), *node.config.announce_maddrs])
     if not ports:
@@ -53,7 +55,8 @@ async def probe_reachability(node, timeout_s: float) -> Reachability:
     return Reachability("unknown", "no bootstrap answered the reachability probe")
 
 
-async def settle_reachability(node: SwarmNode, identity_path: str, validators: list, timeout_s: float):
+async def settle_reachability(node: SwarmNode, identity_path: str, validators: Sequence[PeerRecordValidator],
+                              timeout_s: float) -> tuple[SwarmNode, NodeConfig, str]:
     """`--reachability auto`: probe; a peer nobody can dial restarts its node as private (a DHT client: a NATed
     DHT server only makes others' stores fail; reached through the bootstraps' relays). Returns the node to
     use, its config and why."""
@@ -69,14 +72,14 @@ async def settle_reachability(node: SwarmNode, identity_path: str, validators: l
     return node, config, verdict.why
 
 
-def donor_rank(record: dict) -> tuple[int, float]:
+def donor_rank(record: Mapping[str, object]) -> tuple[int, float]:
     """State-sync donors: public ones first (a snapshot from a peer behind NAT crosses a bootstrap's relay,
     which every NATed peer shares), then the freshest; a NATed donor is still tried when no public one serves."""
     reach = {"public": 0, "private": 2}.get(record.get("reach"), 1)
     return reach, -number(record, "version_vector_total")
 
 
-async def start_node(identity_path: str, config, validators: list) -> SwarmNode:
+async def start_node(identity_path: str, config: NodeConfig, validators: Sequence[PeerRecordValidator]) -> SwarmNode:
     """SwarmNode.start; when it fails, the doctor's first checks (net/discovery/doctor.py: each bootstrap's
     address and a timed TCP connect) add one line per problem with its fix, as `p2p-diloco doctor` prints them."""
     try:

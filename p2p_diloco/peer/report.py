@@ -11,14 +11,25 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
+import torch
+
+from p2p_diloco.config import RunSpec
+from p2p_diloco.peer.announce import Record
 from p2p_diloco.peer.isolation import IsolationDetector, Verdict
-from p2p_diloco.peer.output import fmt_bytes, round_line, save_state
+from p2p_diloco.peer.network import PeerNetwork
+from p2p_diloco.peer.output import JsonLog, fmt_bytes, round_line, save_state
+from p2p_diloco.peer.resume import PeerCheckpoints
+from p2p_diloco.peer.sinks import Sink
+from p2p_diloco.peer.startup import NodeUp
+from p2p_diloco.train.learner import Learner
 from p2p_diloco.train.loop import Hooks, RoundDone
 
 logger = logging.getLogger(__name__)
+
+EvalSet = list[tuple[torch.Tensor, torch.Tensor]]
+"""The held-out batches every evaluation reads."""
 
 
 def print_line(line: str) -> None:
@@ -34,25 +45,24 @@ class PeerReport(Hooks):
     Keeps what the reports need across rounds: the round reached, the latest eval loss, the last round's
     record (`last`), and the compute time since training began (utilization)."""
 
-    def __init__(self, spec: Any, learner: Any, network: Any, *, eval_set: list, log: Any,
-                 out: Callable[[str], None], checkpoints: Any) -> None:
+    def __init__(self, spec: RunSpec, learner: Learner, network: PeerNetwork, *, eval_set: EvalSet, log: JsonLog,
+                 out: Callable[[str], None], checkpoints: PeerCheckpoints | None, sinks: Sequence[Sink] = ()) -> None:
+        """`sinks`: the optional TensorBoard / wandb writers (peer/sinks.py)."""
         self.spec, self.learner, self.network = spec, learner, network
         self.eval_set, self.log, self.out, self.checkpoints = eval_set, log, out, checkpoints
+        self.sinks = list(sinks)
         self.round = 0
         self.eval_loss: float | None = None
-        self.last: dict[str, Any] = {}
+        self.last: Record = {}
         self.compute_s = 0.0
         self.t_start = time.monotonic()
-        self.status: Any = None  # PeerStatus (peer/status.py): the status page's history of our rounds
-        self.sinks: list[Any] = []  # optional TensorBoard / wandb writers (peer/sinks.py)
         self.tokens_per_step = spec.data.batch_size * spec.model.block_size
         self.isolation: IsolationDetector | None = None  # built at the first round (peer/isolation.py)
 
-    def start(self, how: str) -> None:
-        node = self.network.node
+    def start(self, up: NodeUp) -> None:
+        node, how, why = up.node, up.how, up.reach_why
         for maddr in node.visible_maddrs():
             self.out(f"listening on {maddr}")
-        why = getattr(self.network, "reach_why", "")
         self.out(f"reachability: {node.reachability}" + (f" ({why})" if why else "") + (
             "; others reach this peer through the bootstrap's relay" if node.reachability == "private" else ""))
         self.log.write("reach", peer_id=node.peer_id, reach=node.reachability, why=why)
@@ -62,7 +72,7 @@ class PeerReport(Hooks):
                  f"{learner.numel:,} parameters, H={spec.inner.inner_steps}, codec={spec.outer.codec}, "
                  f"device={learner.device}")
 
-    def sync(self, synced: dict | None) -> None:
+    def sync(self, synced: Record | None) -> None:
         if synced is None:
             self.out("state sync: not needed (no live peer has merged updates yet); starting from the run's seed")
             return
@@ -87,6 +97,7 @@ class PeerReport(Hooks):
         self.compute_s += done.result.compute_s
         counters = network.counters
         vv = learner.replica.version_vector
+        utilization = self.compute_s / (time.monotonic() - self.t_start)
         self.last = {
             "round": done.round, "step": learner.step, "loss": done.result.mean_loss, "eval_loss": done.eval_loss,
             "peers": done.view.num_peers, "tau": update.header.tau, "weight": update.header.weight, "seq": update.seq,
@@ -94,14 +105,13 @@ class PeerReport(Hooks):
             "vv_total": vv.total(), "bytes_sent": counters.get("bytes_sent", 0),
             "bytes_received": counters.get("bytes_received", 0), "merged": counters.get("merged", 0),
             "rejected": counters.get("rejected", 0), "samples_per_s": done.samples_per_s, "round_s": done.round_s,
-            "utilization": self.compute_s / (time.monotonic() - self.t_start), "compute_s": self.compute_s,
-            "tokens": learner.step * self.tokens_per_step}
+            "utilization": utilization, "compute_s": self.compute_s, "tokens": learner.step * self.tokens_per_step}
         verdict = self._isolation(done.round, counters)
         self.last["alone"] = verdict.alone
         network.local = {"state": "training", "round": done.round, "step": learner.step,
                          "loss": done.result.mean_loss, "eval_loss": self.eval_loss,
                          "samples_per_s": done.samples_per_s, "tau": update.header.tau,
-                         "utilization": round(self.last["utilization"], 4), "last_update_at": time.time(),
+                         "utilization": round(utilization, 4), "last_update_at": time.time(),
                          **({"alone": verdict.status()} if verdict.alone else {})}
         network.request_announce()
         self.out(round_line(self.last))
@@ -110,19 +120,17 @@ class PeerReport(Hooks):
         if verdict.event is not None:
             self.out(verdict.line())
             self.log.write("isolation", peer_id=learner.peer_id, round=done.round, **verdict.to_dict())
-        if self.status is not None:
-            self.status.round_done(self.last)
         for sink in self.sinks:
             sink.write(self.last)
 
-    def _isolation(self, at_round: int, counters: dict) -> Any:
+    def _isolation(self, at_round: int, counters: dict[str, int]) -> Verdict:
         """Feed the isolation detector (peer/isolation.py) this round's view: the members' records, our vector,
         the counters and the refusals by reason (from our last announced record: replaced whole)."""
         network, replica = self.network, self.learner.replica
         if self.isolation is None:
             self.isolation = IsolationDetector(self.learner.peer_id)
-        presence = getattr(network, "presence", None)
-        rejected_by = (getattr(presence, "last_record", None) or {}).get("rejected_by") or {}
+        rejected = network.presence.last_record.get("rejected_by")
+        rejected_by = rejected if isinstance(rejected, dict) else {}
         try:
             return self.isolation.observe(at_round, time.monotonic(), network.peers, replica.version_vector,
                                           counters, rejected_by, ignore=getattr(replica, "banned", ()))
@@ -131,7 +139,8 @@ class PeerReport(Hooks):
             return Verdict(False, None, 0, 0.0, 0)
 
     def checkpoint(self, at_round: int) -> None:
-        self.checkpoints.save(self.learner, round=at_round, why="periodic")
+        if self.checkpoints is not None:  # the schedule asks only when there are checkpoints
+            self.checkpoints.save(self.learner, round=at_round, why="periodic")
 
     def say(self, line: str) -> None:
         self.out(line)

@@ -1,7 +1,7 @@
 """Resuming a restarted peer: where its checkpoints live, catching up with the swarm after loading one, and
 `PeerCheckpoints`, the peer process's handle on all of it (restore, resume, save).
 
-After `StateManager.restore` (train/checkpoint.py) the replica holds the checkpoint's theta and V plus our
+After `StateManager.restore` (train/state/manager.py) the replica holds the checkpoint's theta and V plus our
 own journaled updates. What the others merged meanwhile comes by gossip: pulls of the updates newer than our
 V (`Gossip.request_pull`), from the freshest live peers first, until our V holds every live peer's last
 announced seq (the `seq` of its DHT record). If that stops making progress for `stall_s`, the gap is older
@@ -19,12 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
-from typing import Any
 
+from p2p_diloco.config import RunSpec
 from p2p_diloco.net.discovery.status import number
+from p2p_diloco.net.statesync.client import StateSyncError
+from p2p_diloco.net.transport.netloop import NetLoop
+from p2p_diloco.peer.network import PeerNetwork
+from p2p_diloco.peer.output import JsonLog
+from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.train.learner import Learner
+from p2p_diloco.train.state.manager import StateManager
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +41,11 @@ PULL_AGAIN_S = 2.0
 POLL_S = 0.25
 MAX_PULL_PEERS = 8
 """Peers asked at once while catching up (the freshest); anti-entropy reaches the others."""
+
+Summary = dict[str, object]
+"""What a catch-up did, as printed and logged."""
+Restored = dict[str, object]
+"""What a restore loaded: the checkpoint's name, round, step, V total, own seq (train/state/manager.py)."""
 
 
 def default_checkpoint_dir(out_dir: str, run_id: str, spec_hash: str, peer_id: str) -> Path:
@@ -44,13 +57,13 @@ def default_checkpoint_dir(out_dir: str, run_id: str, spec_hash: str, peer_id: s
     return Path("~/.local/share/p2p-diloco").expanduser() / f"{run}-{spec_hash[:12]}" / peer_id
 
 
-def _lagging(vv: Any, targets: dict[str, int], banned: Any = frozenset()) -> dict[str, int]:
+def _lagging(vv: VersionVector, targets: dict[str, int], banned: Container[str] = frozenset()) -> dict[str, int]:
     # A banned sender's seqs are never served again: waiting for them would stall into a state sync.
     return {pid: seq - vv.get(pid) for pid, seq in targets.items() if vv.get(pid) < seq and pid not in banned}
 
 
-async def catch_up(network: Any, learner: Any, *, stall_s: float, max_s: float,
-                   on_sync: Callable[[], int]) -> dict[str, Any]:
+async def catch_up(network: PeerNetwork, learner: Learner, *, stall_s: float, max_s: float,
+                   on_sync: Callable[[], int]) -> Summary:
     """Pull until our V holds every live peer's last seq; state sync if that stalls. Returns a summary:
     `how` is "caught_up", "alone" (no live peer), "state_sync", "sync_failed" or "timeout"."""
     me = network.node.peer_id
@@ -78,7 +91,7 @@ async def catch_up(network: Any, learner: Any, *, stall_s: float, max_s: float,
         if vv.total() != last_total:
             last_total, last_progress = vv.total(), now
         if now - last_progress > stall_s:
-            how = await _state_sync(network, learner, donors, on_sync)
+            how = await _state_sync(network, donors, on_sync)
             break
         if now - started > max_s:
             how = "timeout"
@@ -94,13 +107,11 @@ async def catch_up(network: Any, learner: Any, *, stall_s: float, max_s: float,
     return {**summary, "how": how, "seconds": time.monotonic() - started, "vv_total": vv.total()}
 
 
-async def _state_sync(network: Any, learner: Any, donors: list[str], on_sync: Callable[[], int]) -> str:
-    from p2p_diloco.net.statesync.client import StateSyncError
-
+async def _state_sync(network: PeerNetwork, donors: list[str], on_sync: Callable[[], int]) -> str:
     logger.info("catch-up stalled: the gap is older than the peers retain; state sync from %d donor(s)",
                 len(donors))
     try:
-        donor, _, _ = await network.load_snapshot(learner, donors)  # PeerNetwork's one state-sync path
+        donor, _, _ = await network.load_snapshot(donors)  # PeerNetwork's one state-sync path
     except StateSyncError as e:
         logger.warning("catch-up state sync failed (training anyway; gossip goes on) error=%s", e)
         return "sync_failed"
@@ -113,20 +124,18 @@ class PeerCheckpoints:
     """One peer's checkpoints and restart, for `Peer` (peer/process.py): restore at start-up, publish the journal
     again and catch up once serving, checkpoint between rounds and on exit. Reports to `out` and `log`."""
 
-    def __init__(self, state: Any, out: Callable[[str], None], log: Any) -> None:
-        self.state, self.out, self.log = state, out, log  # state: train.checkpoint.StateManager
+    def __init__(self, state: StateManager, out: Callable[[str], None], log: JsonLog) -> None:
+        self.state, self.out, self.log = state, out, log
 
     @classmethod
-    def open(cls, folder: Path, spec: Any, peer_id: str, *, keep: int, out: Callable[[str], None],
-             log: Any) -> PeerCheckpoints:
+    def open(cls, folder: Path, spec: RunSpec, peer_id: str, *, keep: int, out: Callable[[str], None],
+             log: JsonLog) -> PeerCheckpoints:
         """Open and lock the folder; CheckpointFolderError (a ConfigError) if it is another's or in use."""
-        from p2p_diloco.train.checkpoint import StateManager
-
         state = StateManager(folder, run_id=spec.run_id, spec_hash=spec.spec_hash(), peer_id=peer_id, keep=keep)
         state.open()
         return cls(state, out, log)
 
-    def restore(self, learner: Any) -> dict[str, Any] | None:
+    def restore(self, learner: Learner) -> Restored | None:
         """Journal the learner's updates from now on, and load the newest good checkpoint into it."""
         self.state.attach(learner)
         restored = self.state.restore(learner)
@@ -141,11 +150,11 @@ class PeerCheckpoints:
         self.log.write("restore", **restored)
         return restored
 
-    def adopt_journal(self, learner: Any) -> int:
+    def adopt_journal(self, learner: Learner) -> int:
         return self.state.adopt_journal(learner)
 
-    def resume(self, loop: Any, network: Any, learner: Any, *, restored: bool, stop: Any, stall_s: float,
-               on_sync: Callable[[], int]) -> None:
+    def resume(self, loop: NetLoop, network: PeerNetwork, learner: Learner, *, restored: bool, stop: threading.Event,
+               stall_s: float, on_sync: Callable[[], int]) -> None:
         """Publish our journaled updates again (the same bytes: a duplicate to whoever has them, the missing
         update to whoever lacks it); after a restore, catch up with what the swarm merged meanwhile."""
         for update in self.state.journaled():
@@ -160,7 +169,7 @@ class PeerCheckpoints:
                  f"-> {summary['vv_total']}")
         self.log.write("catchup", **summary)
 
-    def save(self, learner: Any, *, round: int, why: str) -> None:
+    def save(self, learner: Learner, *, round: int, why: str) -> None:
         t0 = time.monotonic()
         try:
             path = self.state.save(learner, round=round)

@@ -1,4 +1,4 @@
-"""A running peer that cannot catch up by pulls re-syncs its state by itself (issue 12).
+"""A running peer that cannot catch up by pulls re-syncs its state by itself.
 
 The case (peer/lag.py): updates we lack next are held by nobody who serves them (only inside snapshots), the gap
 is wider than the replica may skip, and every later update of that sender fills our buffer. Gossip cannot end
@@ -28,12 +28,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
 
+import torch
+
+from p2p_diloco.net.statesync.client import fetch_snapshot
+from p2p_diloco.net.transport.netloop import NetLoop, Stopped
+from p2p_diloco.peer.announce import Record
 from p2p_diloco.peer.lag import LagWatch, Stuck, order_donors
+from p2p_diloco.peer.network import PeerNetwork
+from p2p_diloco.peer.output import JsonLog
+from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.version_vector import VersionVector
+from p2p_diloco.train.learner import Learner
+from p2p_diloco.wire.envelope import OuterUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +68,10 @@ class ResyncRefused(Exception):
 class Resync:
     """The watch and the re-sync of one running peer (see module doc)."""
 
-    def __init__(self, network: Any, learner: Any, *, window_s: float, fixed: bool = False,
-                 cooldown_s: float = COOLDOWN_S, period_s: float = 1.0, journal: Callable[[], Any] | None = None,
-                 out: Callable[[str], None] = print, log: Any = None,
+    def __init__(self, network: PeerNetwork, learner: Learner, *, window_s: float, fixed: bool = False,
+                 cooldown_s: float = COOLDOWN_S, period_s: float = 1.0,
+                 journal: Callable[[], Iterable[OuterUpdate]] | None = None,
+                 out: Callable[[str], None] = print, log: JsonLog | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`window_s`: the watch's window; unless `fixed`, at least ROUNDS_IN_WINDOW of our rounds (a peer whose
         rounds are long moves its entries once a round). `journal()`: our journaled updates
@@ -113,12 +124,10 @@ class Resync:
 
     # ---- between rounds ---------------------------------------------------------------------------------------
 
-    def between_rounds(self, loop: Any, stop: Any, round_s: float = 0.0) -> dict | None:
+    def between_rounds(self, loop: NetLoop, stop: threading.Event, round_s: float = 0.0) -> Record | None:
         """After a round that took `round_s`: re-sync now if the watch says we cannot catch up by pulls and no
         cooldown holds; the summary, or None when nothing was tried. Only between rounds: the compute thread waits
         here, nothing uses phi."""
-        from p2p_diloco.net.transport.netloop import Stopped
-
         if not self.fixed:
             self.watch.window_s = max(self.window_s, ROUNDS_IN_WINDOW * round_s)
         stuck = self.observe()
@@ -173,22 +182,19 @@ class Resync:
             self.log.write("resync", **summary, **self.stats)
         return summary
 
-    async def _resync(self, donors: list[str], stuck: Stuck) -> dict:
+    async def _resync(self, donors: list[str], stuck: Stuck) -> Record:
         """On the loop: fetch, check, load, offer again what we hold beyond it."""
-        from p2p_diloco.net.statesync.client import fetch_snapshot
-
         network = self.network
         theta, vv, donor = await fetch_snapshot(network.node, network.run_id, network.spec_hash, donors,
-                                                self.learner.numel, network.sync_config, guard=network.guard)
+                                                self.learner.numel, network.config.statesync, guard=network.guard)
         summary = await asyncio.to_thread(self._load, theta, vv, donor, stuck)
         summary["donor"] = donor
-        network.sync_donor = donor
-        network.repairs = [*network.repairs[-63:], dict(summary, kind="resync")]  # on the loop, as repair's
+        network.resynced(donor, dict(summary, kind="resync"))
         if network.gossip is not None:
             await network.gossip.request_pull(donor)
         return summary
 
-    def _load(self, theta: Any, vv: VersionVector, donor: str, stuck: Stuck) -> dict:
+    def _load(self, theta: torch.Tensor, vv: VersionVector, donor: str, stuck: Stuck) -> Record:
         """A worker thread: check the snapshot against our replica, load it, offer again what we hold beyond it."""
         replica, learner, me = self.learner.replica, self.learner, self.learner.peer_id
         store = getattr(self.network.gossip, "store", None)
@@ -214,7 +220,7 @@ class Resync:
                 "differ": vv.staleness(local) + local.staleness(vv)}
 
 
-def check(local: VersionVector, vv: VersionVector, theta: Any, replica: Any, stuck: Stuck) -> None:
+def check(local: VersionVector, vv: VersionVector, theta: torch.Tensor, replica: Replica, stuck: Stuck) -> None:
     """ResyncRefused unless the snapshot (`theta`, `vv`) may replace our replica (`local`): it holds more of a
     stalled sender than we do, nothing more of a sender we banned, and (deterministic merge rule with a bound)
     it is no further from our theta than the updates the vectors differ by can move it."""

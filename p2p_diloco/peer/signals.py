@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any
+from types import FrameType
 
 
 def install_stop_handlers(stop: threading.Event, finish: threading.Event | None = None) -> None:
@@ -19,7 +19,7 @@ def install_stop_handlers(stop: threading.Event, finish: threading.Event | None 
     owner = os.getpid()
     usr1 = getattr(signal, "SIGUSR1", None)  # not on Windows
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if os.getpid() != owner:
             signal.signal(signum, signal.SIG_IGN if signum == usr1 else signal.SIG_DFL)
             if signum != usr1:

@@ -4,9 +4,9 @@ asks for them and has the package installed. Never required: a missing package i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol
 
-from p2p_diloco.config import ConfigError
+from p2p_diloco.config import ConfigError, LoggingConfig, RunSpec
 
 SCALARS = ("loss", "eval_loss", "utilization", "tau", "peers", "vv_total", "bytes_sent", "bytes_received",
            "merged", "rejected", "samples_per_s", "round_s", "alone")
@@ -14,11 +14,21 @@ FLAGS = ("alone",)
 """Booleans logged as 0/1 (alone: merged nothing while others publish, peer/isolation.py)."""
 
 
-def scalars(figures: Mapping[str, Any]) -> dict[str, float]:
+Figures = Mapping[str, object]
+"""One round's figures, as the report keeps them (`PeerReport.last`)."""
+
+
+class Sink(Protocol):
+    def write(self, figures: Figures) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(figures: Figures) -> dict[str, float]:
     """The round's numeric figures (None and non-numbers left out: eval_loss is None on most rounds; FLAGS as
     0/1)."""
-    return {k: float(figures[k]) for k in SCALARS if isinstance(figures.get(k), (int, float))
-            and (k in FLAGS or not isinstance(figures.get(k), bool))}
+    return {k: float(v) for k in SCALARS if isinstance(v := figures.get(k), (int, float))
+            and (k in FLAGS or not isinstance(v, bool))}
 
 
 class TensorBoardSink:
@@ -30,8 +40,9 @@ class TensorBoardSink:
                               "pip install tensorboard") from None
         self.writer = SummaryWriter(log_dir=folder, comment=peer_id[-8:])
 
-    def write(self, figures: Mapping[str, Any]) -> None:
-        step = int(figures.get("tokens") or figures.get("round") or 0)  # x axis: tokens, comparable across peers
+    def write(self, figures: Figures) -> None:
+        # x axis: tokens, comparable across peers
+        step = int(_number(figures.get("tokens")) or _number(figures.get("round")))
         for name, value in scalars(figures).items():
             self.writer.add_scalar(name, value, global_step=step)
         self.writer.flush()
@@ -41,7 +52,7 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, project: str, peer_id: str, spec: Any) -> None:
+    def __init__(self, project: str, peer_id: str, spec: RunSpec) -> None:
         try:
             import wandb
         except ImportError:
@@ -50,15 +61,19 @@ class WandbSink:
         self.run = wandb.init(project=project, name=peer_id[-8:], config={"spec_hash": spec.spec_hash(),
                                                                          "run_id": spec.run_id})
 
-    def write(self, figures: Mapping[str, Any]) -> None:
-        self.run.log({**scalars(figures), "tokens": figures.get("tokens", 0)}, step=int(figures.get("round", 0)))
+    def write(self, figures: Figures) -> None:
+        self.run.log({**scalars(figures), "tokens": figures.get("tokens", 0)}, step=int(_number(figures.get("round"))))
 
     def close(self) -> None:
         self.run.finish()
 
 
-def check_available(config: Any) -> None:
-    """ConfigError now, before the node starts, if a sink `config` (LoggingConfig) asks for is not installed."""
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def check_available(config: LoggingConfig) -> None:
+    """ConfigError now, before the node starts, if a sink `config` asks for is not installed."""
     import importlib.util
 
     for wanted, module, flag in ((config.tensorboard_dir, "tensorboard", "--logging.tensorboard_dir"),
@@ -67,9 +82,9 @@ def check_available(config: Any) -> None:
             raise ConfigError(f"{flag} needs the {module} package; pip install {module}")
 
 
-def open_sinks(config: Any, peer_id: str, spec: Any) -> list[Any]:
-    """The sinks `config` (LoggingConfig) asks for."""
-    sinks: list[Any] = []
+def open_sinks(config: LoggingConfig, peer_id: str, spec: RunSpec) -> list[Sink]:
+    """The sinks `config` asks for."""
+    sinks: list[Sink] = []
     if config.tensorboard_dir:
         sinks.append(TensorBoardSink(config.tensorboard_dir, peer_id))
     if config.wandb_project:

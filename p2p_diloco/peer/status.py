@@ -2,7 +2,8 @@
 own figures, its round history, and, with `--status-port`, the read-only status page and /metrics serving it.
 
 The snapshot is built on the HTTP server's thread from values the other threads replace whole (the network's
-`peers`, `counters`, the report's `last`), so reading them needs no lock; the curves are guarded by one.
+`peers`, `counters`, the report's `last`), so reading them needs no lock; the histories (curves, rounds, the
+replicas' agreement) are guarded by one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import threading
 import time
 from typing import Any
 
-from p2p_diloco.view.snapshot import Curves, LocalRounds, build_snapshot, reachability_of
+from p2p_diloco.view.figures import ReplicaWatch, reachability, refused, rejected, rejected_by
+from p2p_diloco.view.snapshot import Curves, LocalRounds, build_snapshot
 
 
 class PeerStatus:
@@ -21,6 +23,7 @@ class PeerStatus:
         self.network, self.report = network, report
         self.curves = Curves()
         self.rounds = LocalRounds()
+        self.replicas = ReplicaWatch()
         self.server: Any = None
         self._lock = threading.Lock()
 
@@ -29,7 +32,9 @@ class PeerStatus:
         so the page shows the whole run even when nobody watched it."""
         self.rounds.append({**figures, "time": time.time()})
         with self._lock:
-            self.curves.observe(self._records(), time.time())
+            records = self._records()
+            self.curves.observe(records, time.time())
+            self.replicas.observe(records, time.time())
 
     def _records(self) -> dict[str, dict]:
         """The members' records and ours as last announced (what the others see of us; built on the network
@@ -42,16 +47,19 @@ class PeerStatus:
         return records
 
     def self_figures(self) -> dict[str, Any] | None:
+        """Our own figures; `rejected` as the others read it from our last record (view/figures.py)."""
         network = self.network
         if network.learner is None:
             return None
         counters = network.counters
         last = self.report.last if self.report is not None else {}
+        own = network.presence.last_record
+        by_reason = rejected_by(own) or {}
         return {**{k: last.get(k) for k in ("round", "loss", "eval_loss", "utilization", "tau", "peers")},
                 "vv_total": network.learner.replica.version_vector.total(),
                 "bytes_sent": counters.get("bytes_sent", 0), "bytes_received": counters.get("bytes_received", 0),
-                "merged": counters.get("merged", 0), "rejected": counters.get("rejected", 0),
-                "rejected_by": dict(network.presence.last_record.get("rejected_by") or {}),
+                "merged": counters.get("merged", 0), "rejected": rejected(own), "refused": refused(own),
+                "rejected_by": by_reason,
                 "banned": len(network.learner.replica.banned), "alone": self._alone()}
 
     def _alone(self) -> str | None:
@@ -64,13 +72,13 @@ class PeerStatus:
         network = self.network
         node = network.node
         addrs = node.visible_maddrs() if node is not None else []
-        configured = network.node_config.force_reachability
         observer = {"kind": "peer", "peer_id": node.peer_id if node is not None else None,
-                    "reachability": configured or reachability_of(addrs), "addrs": addrs[:8]}
+                    "reachability": reachability(node.reachability if node is not None else None),
+                    "addrs": addrs[:8]}  # the probe's verdict: what our `reachability:` line and record say
         with self._lock:
             return build_snapshot(run_id=network.run_id, spec_hash=network.spec_hash, now=time.time(),
                                   records=self._records(), observer=observer, self_figures=self.self_figures(),
-                                  curves=self.curves, local=self.rounds)
+                                  curves=self.curves, local=self.rounds, replicas=self.replicas)
 
     # ---- the server ---------------------------------------------------------------------------------------
 

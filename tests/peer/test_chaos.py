@@ -4,14 +4,11 @@ one fault schedule for p2p-diloco, synchronous DiLoCo and data-parallel. Pure fu
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from chaos_metrics import (  # noqa: E402
+from benchmarks.chaos_metrics import (
     Action,
     Replay,
     covered,
@@ -124,9 +121,9 @@ def test_intervals_and_coverage() -> None:
 
 
 def test_outputs_are_written_from_a_report(tmp_path: Path) -> None:
-    from chaos import with_replays
-    from chaos_metrics import summarize
-    from chaos_plot import write_outputs
+    from benchmarks.chaos import with_replays
+    from benchmarks.chaos_metrics import summarize
+    from benchmarks.chaos_plot import write_outputs
 
     pid = "12D3KooWpeer"
     rounds = [{"t": 10.0 * i, "round_s": 10.0, "seq": i, "peer_id": pid, "vv_total": 2 * i, "loss": 3.0 / i,

@@ -32,17 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from swarm_helpers import (
-    Launcher,
-    Proc,
+
+from tests.helpers.faults import (
     assert_merged_once,
     assert_replicas_agree,
-    cli,
     listen_maddr_of,
     peer_id_of,
     published_counts,
-    wait_until,
 )
+from tests.helpers.swarm import Launcher, Proc, cli, wait_until
 
 # The whole story is ~3 minutes of real processes: with issue 12's tests the default suite ran 735 s, over its
 # 10-minute budget. Each fault keeps a default-suite twin: kill and restart (tests/peer/test_restart.py), a

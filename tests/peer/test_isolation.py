@@ -25,7 +25,8 @@ from p2p_diloco.peer.output import round_line
 from p2p_diloco.peer.sinks import scalars
 from p2p_diloco.view.snapshot import build_snapshot
 from p2p_diloco.view.terminal import render
-from tests.swarm_helpers import Launcher, Proc, peer_id_of, wait_until
+from tests.helpers.faults import peer_id_of
+from tests.helpers.swarm import Launcher, Proc, wait_until
 
 ME, A, B = "12D3KooWme000000", "12D3KooWaaaaaaaa", "12D3KooWbbbbbbbb"
 

@@ -1,4 +1,4 @@
-"""Over the internet, in network namespaces (tests/netns_nat.py): a public bootstrap, two peers each behind its
+"""Over the internet, in network namespaces (tests/helpers/netns.py): a public bootstrap, two peers each behind its
 own NAT (unsolicited inbound dropped), one peer with a public address, a NATed peer joining late; every peer's
 uplink capped at 20 Mbit/s. All peers run the README's plain `join --bootstrap ADDR` (reachability auto).
 
@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from netns_nat import NatTopology, nat_unavailable
-from swarm_helpers import Launcher, Proc, assert_replicas_agree, incarnations, of, wait_until
+
+from tests.helpers.faults import assert_replicas_agree, incarnations, of
+from tests.helpers.netns import NatTopology, nat_unavailable
+from tests.helpers.swarm import Launcher, Proc, wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900)]
 

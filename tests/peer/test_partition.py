@@ -1,7 +1,7 @@
 """Partition and heal, in network namespaces (needs root and `ip netns`; skipped with the reason otherwise).
 
 Every process runs in its own namespace; group A (the bootstrap, A1, A2) and group B (B1, B2) sit on two
-bridges joined by one veth link (tests/swarm_helpers.py, NetnsTopology). The story: all four train together;
+bridges joined by one veth link (tests/helpers/netns.py, NetnsTopology). The story: all four train together;
 the link goes down (a partition: neither side can reach the other, each side still reaches itself) for
 longer than the record TTL and the gossip timeouts; both sides must keep training, each merging only its own
 side's updates; the link comes back; then every peer finishes and lingers until the swarm is quiet. The
@@ -15,17 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_helpers import (
-    PEER_ARGS,
-    Launcher,
-    NetnsTopology,
-    Proc,
-    assert_merged_once,
-    assert_replicas_agree,
-    netns_unavailable,
-    published_counts,
-    wait_until,
-)
+
+from tests.helpers.faults import assert_merged_once, assert_replicas_agree, published_counts
+from tests.helpers.netns import NetnsTopology, netns_unavailable
+from tests.helpers.swarm import PEER_ARGS, Launcher, Proc, wait_until
 
 # A 60-second scenario: run with `pytest -m slow` (the faults story is the default suite's representative).
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(420)]

@@ -1,4 +1,4 @@
-"""A real model on real data through `join` (issue 13's "done when"): three learner units of mixed hardware train a
+"""A real model on real data through `join`: three learner units of mixed hardware train a
 Llama-style model on the tokenized standard library (`--model llama --corpus stdlib-bpe`), the result exports to a
 folder `transformers` loads, and `generate` prints text from it.
 
@@ -6,6 +6,10 @@ The units differ as volunteers' machines do: A is one process in fp32; B is a un
 which relaunches it under torchrun: rank 0 speaks to the swarm, both train, gloo on the CPU); C trains in bf16
 autocast with micro-batches of 4 (`--precision bf16 --micro-batch 4`). Their updates must merge alike: equal version
 vectors and equal replicas at the end, whatever hardware made each update.
+
+Every unit must be in the swarm before any can finish: a unit lingers until every listed peer is done and holds
+its replica, but it cannot wait for one that has not announced itself yet. B (the slowest to start) runs its
+rounds; A and C train until B has published, then finish their round and linger until B is done too.
 """
 
 from __future__ import annotations
@@ -13,30 +17,41 @@ from __future__ import annotations
 import json
 
 import pytest
-from swarm_helpers import Launcher, assert_replicas_agree
+
+from tests.helpers.faults import assert_replicas_agree
+from tests.helpers.swarm import Launcher, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
 START_S = 120  # start-up of one process (torch, transformers, the token dataset, the DHT) on a loaded machine
 ROUNDS = 2
+LINGER_S = 120  # until the swarm is quiet: B may finish long before A and C, or after
 REAL = ("--model", "llama", "--corpus", "stdlib-bpe", "--eval-every", str(ROUNDS))
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    from p2p_diloco.train.resolve import STDLIB_VOCAB
-    from p2p_diloco.train.tokens import stdlib_token_dataset
+    from p2p_diloco.train.data.resolve import STDLIB_VOCAB
+    from p2p_diloco.train.data.tokens import stdlib_token_dataset
 
     stdlib_token_dataset(STDLIB_VOCAB)  # built at set-up; here only if this machine skipped that
     workdir = tmp_path_factory.mktemp("real")
     with Launcher(workdir) as launcher:
         _, bootstrap = launcher.bootstrap()
-        peers = [launcher.peer("A", bootstrap, *REAL, rounds=ROUNDS, linger_s=60),
-                 launcher.peer("B", bootstrap, *REAL, "--gpus", "2", rounds=ROUNDS, linger_s=60),
-                 launcher.peer("C", bootstrap, *REAL, "--precision", "bf16", "--micro-batch", "4", rounds=ROUNDS,
-                               linger_s=60)]
+        # A and C train until told to finish (SIGUSR1 reaches a one-process unit), at a lower CPU priority so the
+        # two processes of B start and train meanwhile; B runs its ROUNDS.
+        a = launcher.peer("A", bootstrap, *REAL, rounds=0, linger_s=LINGER_S, nice=10)
+        b = launcher.peer("B", bootstrap, *REAL, "--gpus", "2", rounds=ROUNDS, linger_s=LINGER_S)
+        c = launcher.peer("C", bootstrap, *REAL, "--precision", "bf16", "--micro-batch", "4", rounds=0,
+                          linger_s=LINGER_S, nice=10)
+        peers = [a, b, c]
+        # B has published (it is listed, training), and A and C are in their ROUNDS-th round at least.
+        wait_until(lambda: b.rounds() and all(len(p.rounds()) >= ROUNDS - 1 for p in (a, c)), START_S + 120,
+                   "B's first round, and A and C in their last", procs=peers)
+        a.finish()
+        c.finish()
         for proc in peers:
-            proc.wait(START_S + 120)
+            proc.wait(START_S)
         yield workdir, peers
 
 

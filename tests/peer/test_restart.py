@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_helpers import Launcher, Proc, assert_replicas_agree, incarnations, of, wait_until
+
+from tests.helpers.faults import assert_replicas_agree, incarnations, of
+from tests.helpers.swarm import Launcher, Proc, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -45,7 +47,7 @@ def finish_all(procs: list[Proc], timeout_s: float = 180) -> None:
 
 def assert_exit_checkpoint_is_the_final_state(proc: Proc) -> None:
     """A clean exit writes a checkpoint: restarting from it would lose nothing (it equals the final replica)."""
-    from p2p_diloco.train.checkpoint import CheckpointStore
+    from p2p_diloco.train.state.checkpoint import CheckpointStore
 
     checkpoint = CheckpointStore(proc.out_dir / "checkpoints").load_newest()
     assert checkpoint is not None

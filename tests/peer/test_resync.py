@@ -4,16 +4,17 @@ load (peer/resync.py) with fakes; the real swarm in test_resync_swarm.py."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from p2p_diloco.peer.lag import LagWatch, Stuck, order_donors
 from p2p_diloco.peer.resync import Resync, ResyncRefused, check, window_for
-from p2p_diloco.sync.replica import MergeOutcome, Replica
+from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
+from tests.helpers.fakes import FakeUpdate
 
 W = 30.0
 
@@ -116,19 +117,9 @@ def test_window_for() -> None:
 DIM = 8
 
 
-@dataclass(frozen=True)
-class FakeUpdate:
-    sender: str
-    seq: int
-    update_id: bytes
-    weight: float
-    payload: tuple[float, ...]
-    nbytes: int = 4 * DIM
-
-
 def make(sender: str, seq: int) -> FakeUpdate:
     payload = tuple(torch.randn(DIM, generator=torch.Generator().manual_seed(hash((sender, seq)) % 1000)).tolist())
-    return FakeUpdate(sender, seq, hashlib.sha256(f"{sender}/{seq}".encode()).digest(), 1.0, payload)
+    return FakeUpdate(sender, seq, hashlib.sha256(f"{sender}/{seq}".encode()).digest(), 1.0, payload, nbytes=4 * DIM)
 
 
 class Codec:

@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from swarm_helpers import Launcher, assert_replicas_agree, incarnations, of, wait_until
+
+from tests.helpers.faults import assert_replicas_agree, incarnations, of
+from tests.helpers.swarm import Launcher, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 

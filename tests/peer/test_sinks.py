@@ -12,7 +12,7 @@ import pytest
 from p2p_diloco.config import ConfigError
 from p2p_diloco.config.join import LoggingConfig
 from p2p_diloco.peer.sinks import open_sinks, scalars
-from tests.swarm_helpers import PEER_ARGS, cli
+from tests.helpers.swarm import PEER_ARGS, cli
 
 ROUND = {"round": 3, "loss": 2.5, "eval_loss": None, "utilization": 0.9, "tau": 1, "peers": 2, "vv_total": 6,
          "bytes_sent": 1000, "bytes_received": 2000, "merged": 3, "rejected": 0, "samples_per_s": 50.0,

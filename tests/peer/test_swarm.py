@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from swarm_helpers import Launcher, Proc, cli, max_relative_difference, wait_until
+
+from tests.helpers.swarm import Launcher, Proc, cli, max_relative_difference, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -243,7 +244,7 @@ def test_spec_mismatch_names_the_fields_and_what_to_do() -> None:
     import dataclasses
 
     from p2p_diloco.config import preset
-    from p2p_diloco.peer.network import SpecMismatchError, check_spec
+    from p2p_diloco.peer.startup import SpecMismatchError, check_spec
 
     ours = preset("test")
     theirs = dataclasses.replace(ours, inner=dataclasses.replace(ours.inner, inner_steps=10))
