@@ -6,7 +6,7 @@ its network loop, and the peers' records), so a scrape reads them as they are an
 This peer (present when the observer is a peer; names without a `peer` label):
     p2p_diloco_bytes_sent_total, p2p_diloco_bytes_received_total    counters: everything uploaded / downloaded
     p2p_diloco_updates_merged_total                                 counter: remote updates merged
-    p2p_diloco_updates_rejected_total{reason}                       counter: refused updates and requests, by reason
+    p2p_diloco_rejected_total{reason}                               counter: `rejected_by`, refusals by reason
     p2p_diloco_bans_total                                           counter: senders banned
     p2p_diloco_round, _loss, _eval_loss, _utilization, _tau,
     p2p_diloco_peers_known, p2p_diloco_version_vector_total         gauges
@@ -14,9 +14,14 @@ This peer (present when the observer is a peer; names without a `peer` label):
                                                                     others publish (peer/isolation.py)
 Every peer of the run, from its signed record (label `peer`, the full PeerID):
     p2p_diloco_peer_round, _loss, _eval_loss, _samples_per_second, _utilization, _tau, _bytes_sent,
-    _bytes_received, _version_vector_total, _record_age_seconds    gauges (a record's counters are a gauge here:
+    _bytes_received, _version_vector_total, _record_age_seconds,
+    _rejected                                                       gauges (a record's counters are a gauge here:
                                                                     a peer that restarts starts over)
-The swarm: p2p_diloco_swarm_peers, p2p_diloco_replica_groups (1: every replica equal).
+    p2p_diloco_peer_reachability{peer, reachability}                1 for the peer's probe verdict
+The swarm: p2p_diloco_swarm_peers, p2p_diloco_replica_groups (distinct live replicas: several while updates
+are in flight), p2p_diloco_replica_agreement{state} (1 for agree, in_flight or diverged) and
+p2p_diloco_replicas_behind (peers lacking an update others have held too long).
+Each figure is the snapshot's, named as the other views name it (view/figures.py defines them).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from p2p_diloco.view.figures import AGREEMENT_STATES
 
 PREFIX = "p2p_diloco_"
 MAX_LABELLED_PEERS = 256
@@ -48,7 +55,9 @@ _PEER_GAUGES = (("round", "round", "outer rounds done"), ("loss", "loss", "last 
                 ("bytes_sent", "bytes_sent", "bytes uploaded (its record's claim)"),
                 ("bytes_received", "bytes_received", "bytes downloaded (its record's claim)"),
                 ("version_vector_total", "vv_total", "updates merged into its replica"),
-                ("record_age_seconds", "age_s", "age of its newest record"))
+                ("record_age_seconds", "age_s", "age of its newest record"),
+                ("rejected", "rejected", "updates refused by it (its record's claim)"),
+                ("refused", "refused", "requests its network turned away (its record's claim)"))
 
 
 def _number(figures: Mapping[str, Any], key: str) -> float | None:
@@ -64,8 +73,8 @@ def swarm_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
             value = _number(own, key)
             if value is not None:
                 yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        rejected = CounterMetricFamily(PREFIX + "updates_rejected", "updates and requests refused, by reason",
-                                       labels=["reason"])
+        rejected = CounterMetricFamily(PREFIX + "rejected", "updates and requests refused, by reason (honest "
+                                       "duplicates left out)", labels=["reason"])
         for reason, n in sorted(dict(own.get("rejected_by") or {}).items()):
             rejected.add_metric([str(reason)], float(n))
         yield rejected
@@ -84,11 +93,26 @@ def swarm_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([str(row.get("peer_id", ""))], value)
         yield family
+    reach = GaugeMetricFamily(PREFIX + "peer_reachability", "1 for the peer's own probe verdict (per peer)",
+                              labels=["peer", "reachability"])
+    for row in rows:
+        reach.add_metric([str(row.get("peer_id", "")), str(row.get("reachability", "unknown"))], 1.0)
+    yield reach
     yield GaugeMetricFamily(PREFIX + "swarm_peers", "live peer records of the run", value=len(snapshot.get("peers")
                                                                                               or []))
-    groups = (snapshot.get("agreement") or {}).get("groups") or []
-    yield GaugeMetricFamily(PREFIX + "replica_groups", "distinct replicas among the peers (1: all equal)",
-                            value=len(groups))
+    yield from _agreement_metrics(dict(snapshot.get("agreement") or {}))
+
+
+def _agreement_metrics(agreement: Mapping[str, Any]) -> Iterator[Metric]:
+    yield GaugeMetricFamily(PREFIX + "replica_groups", "distinct live replicas (several while updates are in "
+                            "flight)", value=len(agreement.get("groups") or []))
+    state = GaugeMetricFamily(PREFIX + "replica_agreement", "1 for the replicas' state: agree, in_flight or "
+                              "diverged", labels=["state"])
+    for name in AGREEMENT_STATES:
+        state.add_metric([name], 1.0 if agreement.get("state") == name else 0.0)
+    yield state
+    yield GaugeMetricFamily(PREFIX + "replicas_behind", "live peers lacking an update another has held too long",
+                            value=len(agreement.get("behind") or {}))
 
 
 class _Collector:

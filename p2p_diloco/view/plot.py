@@ -198,7 +198,7 @@ def eval_progress(log: PeerLog, progress: list[float]) -> list[float]:
     round r, and is logged just before that round's event; round 0 is the model a process started from: the
     progress of the last round before it (after a restore), else 0."""
     rounds = log.rounds
-    first_at = {}
+    first_at: dict[tuple[object, object], int] = {}
     for i, r in enumerate(rounds):
         first_at.setdefault((r["run"], r.get("round")), i)
     times = [r["time"] for r in rounds]

@@ -6,30 +6,33 @@ observer's own figures when the observer is a peer, and two bounded histories: `
 its records said it, sampled over time) and the observer's own round history (`local`, from the round hook).
 
     run_id, spec_hash, now          the run, its spec hash (None when unpublished), DHT time of the snapshot
-    observer                        who serves it: kind (peer | bootstrap | status), peer_id, reachability, addrs
+    observer                        who serves it: kind (peer | bootstrap | status), peer_id, reachability (its
+                                    own probe's verdict, view/figures.py), addrs
     self                            the observer peer's own figures (None for a bootstrap or `status`); its
                                     `alone` says why it merges nothing while others publish, or is None
     peers                           one row per live record (`peer_row`), freshest replica first; a row's
                                     `alone` is that peer's own word that it is cut off (peer/isolation.py)
-    agreement                       peers grouped by version-vector digest: equal digests, equal replicas
+    agreement                       agree | in_flight | diverged, the live replicas grouped by version-vector
+                                    digest, and the peers `behind` (view/figures.py says the rule)
     vv_matrix                       holders x senders: the seq of each sender each holder has merged (from the
                                     records' `vv` field, present while a vector names at most 16 senders)
     curves                          {peer_id: [[time, round, loss, eval_loss], ...]}
     local                           the observer's own rounds: time, round, loss, eval, bytes, utilization
 
 Every record field is untrusted: it is read with `number`/`text`/`counts`, and strings stay strings (the views
-escape them).
+escape them). The figures people compare across views (reachability, rejected, agreement) are read through
+view/figures.py, the one place that defines them.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from p2p_diloco.net.discovery.status import counts, number, short_id, text
+from p2p_diloco.net.discovery.status import number, short_id, text
+from p2p_diloco.view.figures import STUCK_S, ReplicaWatch, agreement, reachability, refused, rejected, rejected_by
 
 MAX_CURVE_PEERS = 256
 """Peers whose loss curves we keep; the one updated longest ago is forgotten first (records are cheap to
@@ -45,42 +48,15 @@ MAX_ALONE_CHARS = 400
 def _optional(record: Mapping[str, Any], key: str) -> float | None:
     """A finite number from an untrusted record, or None (absent, null, not a number, inf or nan)."""
     value = record.get(key)
-    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if finite else None
-
-
-def reachability_of(maddrs: Iterable[Any]) -> str:
-    """How others can reach a peer, judged from the addresses it announces: relayed (a /p2p-circuit address),
-    public (a public IP or a DNS name), private (RFC 1918 and the like: reachable on its LAN only), loopback, or
-    unknown (no address)."""
-    kinds = set()
-    for maddr in maddrs:
-        if not isinstance(maddr, str):
-            continue
-        if "/p2p-circuit" in maddr:
-            kinds.add("relayed")
-            continue
-        parts = maddr.split("/")
-        if len(parts) > 2 and parts[1] in ("dns", "dns4", "dns6", "dnsaddr"):
-            kinds.add("public")
-            continue
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-            try:
-                ip = ipaddress.ip_address(parts[2])
-            except ValueError:
-                continue
-            kinds.add("loopback" if ip.is_loopback else "private" if ip.is_private else "public")
-    for kind in ("public", "relayed", "private", "loopback"):  # the best way in wins
-        if kind in kinds:
-            return kind
-    return "unknown"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def peer_row(peer_id: str, record: Mapping[str, Any], now: float) -> dict[str, Any]:
     """One peer's row, every field read defensively from its (untrusted) record."""
-    maddrs = record.get("maddrs") if isinstance(record.get("maddrs"), list) else []
     last_update = _optional(record, "last_update_at")
-    rejected = counts(record, "rejected_by")
+    by_reason = rejected_by(record)
     return {
         "peer_id": peer_id, "short": short_id(peer_id), "state": text(record, "state") or "?",
         "round": int(number(record, "round")), "step": int(number(record, "step")),
@@ -89,22 +65,12 @@ def peer_row(peer_id: str, record: Mapping[str, Any], now: float) -> dict[str, A
         "tau": int(number(record, "tau")), "age_s": max(0.0, now - number(record, "updated_at", now)),
         "update_age_s": None if last_update is None else max(0.0, now - last_update),
         "bytes_sent": int(number(record, "bytes_sent")), "bytes_received": int(number(record, "bytes_received")),
-        "reachability": reachability_of(maddrs[:16]), "vv_total": int(number(record, "version_vector_total")),
+        "reachability": reachability(record.get("reach")), "vv_total": int(number(record, "version_vector_total")),
         "vv_digest": text(record, "vv_digest", limit=16), "seq": int(number(record, "seq")),
-        "rejected": sum(rejected.values()), "banned": int(number(record, "banned")),
+        "rejected": rejected(record), "refused": refused(record), "rejected_by": by_reason,
+        "banned": int(number(record, "banned")),
         "alone": text(record, "alone", limit=MAX_ALONE_CHARS) or None,
     }
-
-
-def agreement(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Peers grouped by version-vector digest, the biggest group first: one group means equal replicas."""
-    groups: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        group = groups.setdefault(row["vv_digest"], {"digest": row["vv_digest"], "vv_total": row["vv_total"],
-                                                      "peers": []})
-        group["peers"].append(row["peer_id"])
-    ordered = sorted(groups.values(), key=lambda g: (-len(g["peers"]), -g["vv_total"], g["digest"]))
-    return {"agree": len(ordered) <= 1, "groups": ordered}
 
 
 def vv_matrix(records: Mapping[str, Mapping[str, Any]], limit: int = MAX_MATRIX_PEERS) -> dict[str, Any]:
@@ -177,17 +143,23 @@ class LocalRounds:
 
 def build_snapshot(*, run_id: str, spec_hash: str | None, now: float, records: Mapping[str, Mapping[str, Any]],
                    observer: Mapping[str, Any], self_figures: Mapping[str, Any] | None = None,
-                   curves: Curves | None = None, local: LocalRounds | None = None) -> dict[str, Any]:
+                   curves: Curves | None = None, local: LocalRounds | None = None,
+                   replicas: ReplicaWatch | None = None) -> dict[str, Any]:
     """The snapshot (module docstring) of `records` (peer_id -> record; the observer's own included if it is a
-    peer) at DHT time `now`."""
+    peer) at DHT time `now`. Without `replicas` (no history of the records) agreement is never `diverged`."""
     rows = sorted((peer_row(pid, r, now) for pid, r in records.items()),
                   key=lambda row: (-row["vv_total"], row["peer_id"]))
     if curves is not None:
         curves.observe(records, now)
+    behind = None
+    if replicas is not None:
+        replicas.observe(records, now)
+        behind = replicas.behind(records, now)
     return {
         "run_id": run_id, "spec_hash": spec_hash, "now": now, "observer": dict(observer),
         "self": dict(self_figures) if self_figures is not None else None, "peers": rows,
-        "agreement": agreement([r for r in rows if r["state"] != "syncing"]), "vv_matrix": vv_matrix(records),
+        "agreement": agreement(rows, behind, replicas.stuck_s if replicas is not None else STUCK_S),
+        "vv_matrix": vv_matrix(records),
         "curves": curves.to_dict() if curves is not None else {},
         "local": local.to_list() if local is not None else [],
     }

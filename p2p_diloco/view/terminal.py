@@ -1,19 +1,13 @@
 """The live terminal view of a swarm (`p2p-diloco status --watch`): a snapshot dict rendered with `rich`.
 
-Every string and number in a snapshot comes from peers we do not trust (their signed status records say only who
-wrote them, not that what they wrote is sane). So nothing from a snapshot is ever parsed as rich markup: strings go
-into `rich.text.Text` after every control and format character is stripped (rich itself strips only a few, not ESC,
-so a peer id could otherwise move the cursor or recolour the terminal), strings are cut to a bounded length, and
-numbers that are not finite reals show as "-" instead of raising.
+Snapshot values are untrusted: every one is shown through view/fmt.py (literal text, control characters
+stripped, cut; "-" for what is not a finite number). The figures and their names (reachability, rejected,
+agreement) are the snapshot's, as view/figures.py defines them: this view computes none of its own.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-import time
-import unicodedata
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,116 +16,28 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-MAX_STR = 64  # a peer may send a megabyte-long "peer id"; the table should not grow with it
+from p2p_diloco.view.fmt import (
+    as_dict,
+    as_list,
+    clean,
+    fmt_age,
+    fmt_bytes,
+    fmt_float,
+    fmt_int,
+    fmt_pct,
+    fmt_time,
+    num_or,
+    safe_text,
+    sparkline,
+)
+
 MAX_ALONE = 300  # an `alone` reason (peer/isolation.py) shown under the table
 MAX_ALONE_LINES = 8
-SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
-SPARK_POINTS = 16
 STATE_STYLES = {"training": "green", "syncing": "cyan", "done": "blue", "left": "dim"}
-REACH_STYLES = {"public": "green", "relayed": "yellow", "private": "magenta", "loopback": "dim"}
+REACH_STYLES = {"public": "green", "private": "magenta", "unknown": "dim"}
+AGREEMENT_STYLES = {"agree": "bold green", "in_flight": "cyan", "diverged": "bold red"}
 COMPACT_WIDTH = 120  # below this the columns that matter least are left out so the rest stay readable
-COMPACT_DROPS = {"eval", "tau", "reach", "loss curve", "samples/s"}
-
-
-def clean(value: Any, limit: int = MAX_STR) -> str:
-    """A string safe to print: control (Cc) and format (Cf: bidi overrides, zero-width) characters removed, cut."""
-    s = value if isinstance(value, str) else str(value)
-    s = "".join(ch for ch in s[: limit * 4] if unicodedata.category(ch) not in ("Cc", "Cf"))
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-def safe_text(value: Any, style: str = "", limit: int = MAX_STR) -> Text:
-    """Untrusted value as literal Text: `Text(...)` never interprets markup, `clean` removes escape sequences."""
-    return Text("-" if value is None else clean(value, limit), style=style)
-
-
-def num(value: Any) -> float | None:
-    """A finite real number, or None: peers can send strings, bools, NaN or 10**400 where a float belongs."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        f = float(value)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
-
-
-def num_or(value: Any, default: float) -> float:
-    f = num(value)
-    return default if f is None else f
-
-
-def fmt_int(value: Any) -> str:
-    f = num(value)
-    return "-" if f is None else str(int(f))
-
-
-def fmt_float(value: Any, digits: int = 3) -> str:
-    f = num(value)
-    return "-" if f is None else f"{f:.{digits}f}"
-
-
-def fmt_pct(value: Any) -> str:
-    f = num(value)
-    return "-" if f is None else f"{f * 100:.0f}%"
-
-
-def fmt_age(value: Any) -> str:
-    f = num(value)
-    if f is None:
-        return "-"
-    f = max(f, 0.0)
-    if f < 60:
-        return f"{f:.1f}s"
-    return f"{f / 60:.0f}m" if f < 3600 else f"{f / 3600:.0f}h"
-
-
-def fmt_bytes(value: Any) -> str:
-    """Decimal units (1.2 MB), the way network traffic is usually counted."""
-    f = num(value)
-    if f is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(f) < 1000 or unit == "TB":
-            return f"{int(f)} B" if unit == "B" else f"{f:.1f} {unit}"
-        f /= 1000
-    return "-"  # unreachable
-
-
-def fmt_time(value: Any) -> str:
-    """UTC, so that two people comparing screenshots across time zones see the same clock."""
-    f = num(value)
-    if f is None:
-        return "time unknown"
-    try:
-        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(f))
-    except (OverflowError, OSError, ValueError):
-        return "time unknown"
-
-
-def sparkline(points: Any, n: int = SPARK_POINTS) -> str:
-    """The last `n` finite losses of a curve ([t, round, loss, eval] rows) as unicode blocks, scaled min..max."""
-    losses: list[float] = []
-    if isinstance(points, list):
-        for row in points[-4 * n :]:  # a bounded look-back: malformed rows are skipped, not searched past forever
-            if isinstance(row, (list, tuple)) and len(row) >= 3 and (v := num(row[2])) is not None:
-                losses.append(v)
-    losses = losses[-n:]
-    if not losses:
-        return ""
-    lo, hi = min(losses), max(losses)
-    if hi - lo <= 1e-12 * max(1.0, abs(hi)):
-        return SPARK_BLOCKS[len(SPARK_BLOCKS) // 2 - 1] * len(losses)
-    top = len(SPARK_BLOCKS) - 1
-    return "".join(SPARK_BLOCKS[round((v - lo) / (hi - lo) * top)] for v in losses)
-
-
-def as_dict(value: Any) -> dict:
-    return value if isinstance(value, dict) else {}
-
-
-def as_list(value: Any) -> list:
-    return value if isinstance(value, list) else []
+COMPACT_DROPS = {"eval", "tau", "reach", "rejected", "loss curve", "samples/s"}
 
 
 def peers_of(snapshot: dict) -> list[dict]:
@@ -142,24 +48,6 @@ def peers_of(snapshot: dict) -> list[dict]:
 
 def groups_of(snapshot: dict) -> list[dict]:
     return [g for g in as_list(as_dict(snapshot.get("agreement")).get("groups")) if isinstance(g, dict)]
-
-
-def majority_digest(snapshot: dict, peers: list[dict]) -> str | None:
-    """The digest most replicas hold: from the agreement groups when given, else counted from the peers' records.
-
-    None when every peer agrees (or nobody says): then no peer is flagged as diverged.
-    """
-    groups = groups_of(snapshot)
-    if groups:
-        if len(groups) < 2:
-            return None
-        best = max(groups, key=lambda g: (len(as_list(g.get("peers"))), num_or(g.get("vv_total"), -1.0)))
-        digest = best.get("digest")
-        return digest if isinstance(digest, str) else None
-    counts = Counter(p.get("vv_digest") for p in peers if isinstance(p.get("vv_digest"), str))
-    if len(counts) < 2:
-        return None
-    return counts.most_common(1)[0][0]
 
 
 def short_id(peer: dict) -> str:
@@ -176,19 +64,7 @@ def header(snapshot: dict) -> Text:
     line.append("run ", style="bold").append(safe_text(snapshot.get("run_id") or "?", "bold"))
     line.append("  spec ").append(safe_text(snapshot.get("spec_hash") or "unknown", "", 16))
     line.append(f"  {len(peers)} peer{'s' if len(peers) != 1 else ''}  ")
-    agreement = as_dict(snapshot.get("agreement"))
-    groups = groups_of(snapshot)
-    if len(groups) >= 2:  # the groups are the evidence; a bare `agree` flag that contradicts them is not trusted
-        totals = " / ".join(fmt_int(g.get("vv_total")) for g in groups[:8])
-        more = f" / +{len(groups) - 8}" if len(groups) > 8 else ""
-        line.append(f"{len(groups)} groups of replicas (V {totals}{more})", style="bold yellow" if len(groups) == 2
-                    else "bold red")
-    elif agreement.get("agree") is True or len(groups) == 1:
-        line.append("replicas agree", style="bold green")
-    elif agreement.get("agree") is False:
-        line.append("replicas disagree", style="bold red")
-    else:
-        line.append("agreement unknown", style="dim")
+    line.append_text(agreement_text(as_dict(snapshot.get("agreement")), groups_of(snapshot)))
     line.append(f"  {fmt_time(snapshot.get('now'))}", style="dim")
     observer = as_dict(snapshot.get("observer"))
     if observer:
@@ -202,25 +78,42 @@ def header(snapshot: dict) -> Text:
     return line
 
 
+def agreement_text(agreement: dict, groups: list[dict]) -> Text:
+    """The replicas' `agreement` figure: its state, the groups' V totals, and who is behind and for how long."""
+    state = agreement.get("state")
+    if state not in AGREEMENT_STYLES:
+        return Text("agreement unknown", style="dim")
+    style = AGREEMENT_STYLES[state]
+    if state == "agree":
+        return Text("replicas agree", style=style)
+    totals = " / ".join(fmt_int(g.get("vv_total")) for g in groups[:8]) + (
+        f" / +{len(groups) - 8}" if len(groups) > 8 else "")
+    if state == "in_flight":
+        return Text(f"replicas in flight: {len(groups)} versions (V {totals})", style=style)
+    behind = as_dict(agreement.get("behind"))
+    who = ", ".join(clean(pid)[-8:] for pid in list(behind)[:8])
+    return Text(f"replicas diverged: {len(groups)} groups of replicas (V {totals}); behind for over "
+                f"{fmt_age(agreement.get('stuck_s'))}: {who or '?'}", style=style)
+
+
 def peers_table(snapshot: dict, width: int | None) -> RenderableType:
     peers = peers_of(snapshot)
     if not peers:
         return Text("no peers yet", style="dim italic")
-    majority = majority_digest(snapshot, peers)
+    behind = as_dict(as_dict(snapshot.get("agreement")).get("behind"))
     curves = as_dict(snapshot.get("curves"))
     drop = COMPACT_DROPS if width is not None and width < COMPACT_WIDTH else set()
     columns = [("peer", "left"), ("state", "left"), ("round", "right"), ("loss", "right"), ("eval", "right"),
                ("samples/s", "right"), ("util", "right"), ("tau", "right"), ("update", "right"), ("out", "right"),
-               ("in", "right"), ("reach", "left"), ("V", "right"), ("loss curve", "left")]
+               ("in", "right"), ("reach", "left"), ("rejected", "right"), ("V", "right"), ("loss curve", "left")]
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     for name, justify in columns:
         if name not in drop:
-            table.add_column(name, justify=justify, no_wrap=True)
+            table.add_column(name, justify="right" if justify == "right" else "left", no_wrap=True)
     for p in peers:
         state = p.get("state")
         reach = p.get("reachability")
-        digest = p.get("vv_digest")
-        diverged = majority is not None and isinstance(digest, str) and digest != majority
+        diverged = isinstance(p.get("peer_id"), str) and p.get("peer_id") in behind  # lacks what others hold
         v = Text(fmt_int(p.get("vv_total")), style="bold red" if diverged else "")
         if diverged:
             v.append(" ≠", style="bold red")  # visible without colour too (piped output, screen readers)
@@ -241,6 +134,7 @@ def peers_table(snapshot: dict, width: int | None) -> RenderableType:
             "out": Text(fmt_bytes(p.get("bytes_sent"))),
             "in": Text(fmt_bytes(p.get("bytes_received"))),
             "reach": safe_text(reach, REACH_STYLES.get(reach, "") if isinstance(reach, str) else "", 16),
+            "rejected": Text(fmt_int(p.get("rejected")), style="red" if num_or(p.get("rejected"), 0) > 0 else ""),
             "V": v,
             "loss curve": Text(sparkline(curves.get(pid) if isinstance(pid, str) else None), style="cyan"),
         }
@@ -251,7 +145,7 @@ def peers_table(snapshot: dict, width: int | None) -> RenderableType:
 
 def alone_lines(peers: list[dict]) -> list[Text]:
     """One line per peer that says it trains alone (its own record's reason and fix)."""
-    lines = []
+    lines: list[Text] = []
     for p in peers:
         why = p.get("alone")
         if isinstance(why, str) and why and len(lines) < MAX_ALONE_LINES:

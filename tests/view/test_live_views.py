@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.swarm_helpers import Launcher, Proc, cli, peer_id_of, wait_until
+from tests.helpers.faults import peer_id_of
+from tests.helpers.swarm import Launcher, Proc, cli, wait_until
 
 PAGE_RE = r"^status page: (http://127\.0\.0\.1:\d+/)"
 
@@ -160,7 +161,7 @@ def test_status_watch_in_a_terminal_shows_the_peers_and_leaves_cleanly_on_ctrl_c
 
 @pytest.mark.slow  # an 18-second peer of its own in a pseudo-terminal; the suite's other live views share a swarm
 def test_join_shows_progress_bars_on_a_terminal_and_plain_lines_when_piped(swarm, tmp_path: Path) -> None:
-    from tests.swarm_helpers import PEER_ARGS
+    from tests.helpers.swarm import PEER_ARGS
 
     argv = cli("join", *PEER_ARGS, "--identity", str(tmp_path / "c.key"), "--bootstrap", swarm["bootstrap"],
                "--rounds", "3", "--linger-s", "0", "--checkpoint-every", "0")

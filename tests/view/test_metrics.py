@@ -33,8 +33,8 @@ def test_this_peers_counters_and_gauges_match_its_figures():
     assert got[("p2p_diloco_bytes_received_total", ())] == own["bytes_received"]
     assert got[("p2p_diloco_updates_merged_total", ())] == own["merged"]
     assert got[("p2p_diloco_bans_total", ())] == own["banned"]
-    assert got[("p2p_diloco_updates_rejected_total", (("reason", "duplicate_seq"),))] == 2
-    assert got[("p2p_diloco_updates_rejected_total", (("reason", "rate_limited"),))] == 1
+    assert got[("p2p_diloco_rejected_total", (("reason", "duplicate_seq"),))] == 2
+    assert got[("p2p_diloco_rejected_total", (("reason", "rate_limited"),))] == 1
     for name, key in (("round", "round"), ("loss", "loss"), ("utilization", "utilization"), ("tau", "tau"),
                       ("peers_known", "peers"), ("version_vector_total", "vv_total")):
         assert got[(f"p2p_diloco_{name}", ())] == own[key]

@@ -256,7 +256,7 @@ def test_the_installed_command(tmp_path: Path) -> None:
 
 
 def test_a_real_peers_log(tmp_path: Path, capsys) -> None:
-    from swarm_helpers import Launcher
+    from tests.helpers.swarm import Launcher
 
     with Launcher(tmp_path / "run") as launcher:
         solo = launcher.peer("solo", None, rounds=3, linger_s=0)  # no bootstrap: the first peer of its run

@@ -8,7 +8,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.view.snapshot import Curves, LocalRounds, agreement, build_snapshot, peer_row, reachability_of
+from p2p_diloco.view.figures import agreement
+from p2p_diloco.view.snapshot import Curves, LocalRounds, build_snapshot, peer_row
 
 NOW = 1_764_075_000.0
 
@@ -20,19 +21,19 @@ def record(round_=3, vv_total=9, digest="aaaa", loss=2.5, **extra):
             "bytes_sent": 1000, "bytes_received": 2000, "utilization": 0.9, "last_update_at": NOW - 1, **extra}
 
 
-def test_reachability_is_judged_from_the_announced_addresses():
-    assert reachability_of(["/ip4/127.0.0.1/tcp/1"]) == "loopback"
-    assert reachability_of(["/ip4/192.168.1.4/tcp/1", "/ip4/127.0.0.1/tcp/1"]) == "private"
-    assert reachability_of(["/ip4/192.168.1.4/tcp/1", "/ip4/8.8.8.8/tcp/1"]) == "public"
-    assert reachability_of(["/dns4/example.org/tcp/1"]) == "public"
-    assert reachability_of(["/ip4/1.2.3.4/tcp/1/p2p/Qm/p2p-circuit/p2p/Qn"]) == "relayed"
-    assert reachability_of([]) == reachability_of([None, "/ip4/not-an-ip/tcp/1"]) == "unknown"
+def test_reachability_is_the_peers_own_probe_not_its_addresses():
+    on_loopback = {"maddrs": ["/ip4/127.0.0.1/tcp/1"]}
+    assert peer_row("p", record(**on_loopback, reach="public"), NOW)["reachability"] == "public"
+    assert peer_row("p", record(maddrs=["/ip4/8.8.8.8/tcp/1"], reach="private"), NOW)["reachability"] == "private"
+    for junk in (None, "relayed", "<b>x</b>", 5):
+        assert peer_row("p", record(reach=junk), NOW)["reachability"] == "unknown"
+    assert peer_row("p", record(), NOW)["reachability"] == "unknown"  # a record without the probe's verdict
 
 
 def test_a_row_reads_every_field_and_ages_from_now():
     row = peer_row("12D3KooWabcdefgh12345678", record(), NOW)
     assert row["short"] == "12345678" and row["round"] == 3 and row["vv_total"] == 9
-    assert row["age_s"] == 2 and row["update_age_s"] == 1 and row["reachability"] == "loopback"
+    assert row["age_s"] == 2 and row["update_age_s"] == 1 and row["reachability"] == "unknown"
     assert row["loss"] == 2.5 and row["eval_loss"] is None and row["utilization"] == 0.9
 
 
@@ -41,7 +42,8 @@ def test_agreement_groups_by_digest_biggest_group_first():
             (("a", "d1", 9), ("b", "d1", 9), ("c", "d2", 7))]
     result = agreement(rows)
     assert not result["agree"] and [g["peers"] for g in result["groups"]] == [["a", "b"], ["c"]]
-    assert agreement(rows[:2])["agree"]
+    assert result["state"] == "in_flight"  # several vectors with no history: updates on their way
+    assert agreement(rows[:2])["agree"] and agreement(rows[:2])["state"] == "agree"
 
 
 def test_snapshot_has_the_matrix_and_is_json():

@@ -1,26 +1,19 @@
-"""The terminal view (`status --watch`): recorded swarm states rendered to text, the watch loop piped and under a
-pseudo-terminal, and peers whose strings try to drive the terminal."""
+"""The terminal view (`status --watch`): recorded swarm states rendered to text, the watch loop piped (under a
+pseudo-terminal: test_terminal_pty.py), and peers whose strings try to drive the terminal."""
 
 from __future__ import annotations
 
 import copy
 import io
-import os
-import select
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from p2p_diloco.view.terminal import fmt_bytes, render, sparkline, watch
+from p2p_diloco.view.fmt import fmt_bytes, sparkline
+from p2p_diloco.view.terminal import render, watch
 
-ROOT = Path(__file__).resolve().parents[2]
 A = "a1b2c3d4e5f60718"
 B = "0f0e0d0c0b0a0908"
 P1 = "12D3KooWHb7sLqJ2m4Y8xR1aZpWcQdVtNe5UfGkS9aAlpha111"
@@ -50,7 +43,8 @@ AGREED = {
          "bytes_sent": 0, "bytes_received": 10, "reachability": "loopback", "vv_total": 37,
          "vv_digest": A, "seq": 13, "rejected": 0, "banned": 0},
     ],
-    "agreement": {"agree": True, "groups": [{"digest": A, "vv_total": 36, "peers": [P1, P2, P3]}]},
+    "agreement": {"state": "agree", "agree": True, "groups": [{"digest": A, "vv_total": 36, "peers": [P1, P2, P3]}],
+                  "behind": {}, "stuck_s": 60.0},
     "vv_matrix": {"holders": [P1, P2, P3], "senders": [P1, P2, P3],
                   "seq": [[12, 11, 13], [12, 11, None], [12, 11, 13]]},
     "curves": {P1: [[1.0, 1, 3.2, None], [2.0, 2, 3.0, None], [3.0, 3, 2.7, 2.9], [4.0, 4, 2.5, None],
@@ -60,12 +54,20 @@ AGREED = {
 }
 
 
-def diverged() -> dict:
-    """The same swarm, but Charl333 merged an update the others did not: two groups of replicas."""
+def in_flight() -> dict:
+    """The same swarm, but Charl333 merged an update the others have not yet: two versions, nobody stuck."""
     snap = copy.deepcopy(AGREED)
     snap["peers"][2]["vv_digest"] = B
-    snap["agreement"] = {"agree": False, "groups": [{"digest": A, "vv_total": 36, "peers": [P1, P2]},
-                                                    {"digest": B, "vv_total": 37, "peers": [P3]}]}
+    snap["agreement"] = {"state": "in_flight", "agree": False, "behind": {}, "stuck_s": 60.0,
+                         "groups": [{"digest": A, "vv_total": 36, "peers": [P1, P2]},
+                                    {"digest": B, "vv_total": 37, "peers": [P3]}]}
+    return snap
+
+
+def diverged() -> dict:
+    """Two groups of replicas, and Charl333 has lacked an update the others hold for 75 s."""
+    snap = in_flight()
+    snap["agreement"].update(state="diverged", behind={P3: 75.0})
     return snap
 
 
@@ -108,15 +110,19 @@ def test_every_peer_its_round_and_units_and_agreement():
 
 
 def test_two_groups_and_the_diverged_peer_flagged():
+    shown = text_of(render(in_flight(), width=160))
+    assert "replicas in flight: 2 versions (V 36 / 37)" in shown and "≠" not in shown  # not divergence
     text = text_of(render(diverged(), width=160))
     assert "2 groups of replicas (V 36 / 37)" in text and "replicas agree" not in text
+    assert "replicas diverged" in text and "behind for over 1m: Charl333" in text
     assert "≠" in row_of(text, "Charl333")
     assert "≠" not in row_of(text, "Alpha111") and "≠" not in row_of(text, "Bravo222")
-    # Without agreement groups the majority is counted from the peers' own digests.
+    # The view judges nothing itself: without the snapshot's agreement nobody is flagged.
     snap = diverged()
     del snap["agreement"]
     text = text_of(render(snap, width=160))
-    assert "≠" in row_of(text, "Charl333") and "≠" not in row_of(text, "Alpha111")
+    assert "agreement unknown" in text and "≠" not in text
+
 
 
 def test_header_is_coloured_by_agreement():
@@ -126,7 +132,8 @@ def test_header_is_coloured_by_agreement():
         return console.file.getvalue()
 
     assert "\x1b[1;32mreplicas agree" in styled(AGREED)  # bold green
-    assert "\x1b[1;33m2 groups of replicas" in styled(diverged())  # bold yellow
+    assert "\x1b[1;31mreplicas diverged" in styled(diverged())  # bold red
+    assert "\x1b[36mreplicas in flight" in styled(in_flight())  # cyan: nothing to act on
 
 
 def test_sparkline_of_the_loss_curve():
@@ -265,80 +272,3 @@ def test_watch_live_on_a_forced_terminal_keeps_the_last_frame():
     assert watch(Recorded(rounds(3) + [KeyboardInterrupt()]), interval_s=0, console=console) == 0
     out = console.file.getvalue()
     assert "\x1b[?25l" in out and out.endswith("\x1b[?25h") and "102" in out
-
-
-CHILD = textwrap.dedent(
-    """
-    import copy, json, sys
-    from rich.console import Console
-    from p2p_diloco.view.terminal import watch
-    base = json.loads(sys.argv[1])
-    calls = []
-    def fetch():
-        snap = copy.deepcopy(base)
-        snap["run_id"] = "frame%d" % len(calls)
-        calls.append(1)
-        return snap
-    frames = int(sys.argv[2])
-    sys.exit(watch(fetch, interval_s=float(sys.argv[3]), console=Console(force_terminal=True, width=160),
-                   max_frames=frames or None))
-    """
-)
-
-
-def run_in_pty(frames: int, interval_s: float, until=None, timeout_s: float = 15.0) -> tuple[int, bytes]:
-    """Run CHILD on a pseudo-terminal; `until(output, proc)` may act (send Ctrl-C) once. Returns (rc, output)."""
-    import json
-    import pty
-
-    master, slave = pty.openpty()
-    env = dict(os.environ, TERM="xterm-256color", PYTHONPATH=str(ROOT), COLUMNS="160", LINES="50")
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(AGREED), str(frames), str(interval_s)],
-                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
-    os.close(slave)
-    out, deadline, acted = b"", time.monotonic() + timeout_s, until is None
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.1)
-            if ready:
-                try:
-                    chunk = os.read(master, 65536)
-                except OSError:  # EIO: the child closed its side
-                    chunk = b""
-                if not chunk:
-                    break
-                out += chunk
-            if not acted and until(out, proc):
-                acted = True
-        rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        return rc, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
-
-
-def test_watch_under_a_pseudo_terminal_draws_frames_and_restores_the_cursor():
-    rc, out = run_in_pty(frames=3, interval_s=0.2)
-    assert rc == 0, out
-    assert b"frame0" in out and b"frame1" in out and b"frame2" in out and b"frame3" not in out
-    assert b"\x1b[?25l" in out  # the cursor was hidden while live
-    assert out.rstrip(b"\r\n").endswith(b"\x1b[?25h"), out[-200:]
-    assert b"Alpha111" in out and b"replicas agree" in out
-
-
-def test_ctrl_c_under_a_pseudo_terminal_exits_0_and_keeps_the_frame():
-    def ctrl_c_after_the_first_frame(out: bytes, proc) -> bool:
-        if b"frame0" in out:
-            proc.send_signal(signal.SIGINT)  # the child now waits 30 s for the next frame
-            return True
-        return False
-
-    started = time.monotonic()
-    rc, out = run_in_pty(frames=0, interval_s=30, until=ctrl_c_after_the_first_frame)
-    assert rc == 0, out
-    assert time.monotonic() - started < 15 and b"frame1" not in out
-    assert b"Traceback" not in out and b"KeyboardInterrupt" not in out
-    assert out.count(b"frame0") >= 2  # drawn live, then drawn once more for good when Live stopped
-    assert out.rstrip(b"\r\n").endswith(b"\x1b[?25h"), out[-200:]

@@ -48,7 +48,7 @@ RECORDED = {
          "update_age_s": None, "bytes_sent": 100, "bytes_received": 5_000_000, "reachability": "<u>relayed</u>",
          "vv_total": 28, "vv_digest": "<script>1</script>", "seq": 9, "rejected": 2, "banned": 1},
     ],
-    "agreement": {"agree": False, "groups": [
+    "agreement": {"state": "diverged", "agree": False, "behind": {EVIL: 75.0}, "stuck_s": 60.0, "groups": [
         {"digest": "a1b2c3d4e5f60718", "vv_total": 30, "peers": [A, B]},
         {"digest": "<img src=y onerror=alert(3)>", "vv_total": 28, "peers": [EVIL]}]},
     "vv_matrix": {"holders": [A, B, EVIL], "senders": [A, B, EVIL],
@@ -245,3 +245,21 @@ def test_a_failing_source_keeps_the_last_snapshot_on_screen(driver):
         # The only console errors are the failed fetches themselves (Chromium logs a 500 response), no JS errors.
         errors = page_errors(driver, server)
         assert all("500" in m for m in errors), errors
+
+
+def test_updates_in_flight_are_not_shown_as_divergence(driver):
+    """Several version vectors while updates travel: said plainly, without a warning or group letters; the peer
+    that is behind is named when the snapshot says the replicas diverged."""
+    snap = copy.deepcopy(RECORDED)
+    snap["agreement"].update(state="in_flight", behind={})
+    with StatusServer(lambda: snap) as server:
+        driver.get(server.url + POLL)
+        WebDriverWait(driver, WAIT_S).until(lambda d: "replicas in flight" in text(d, "#agreement"))
+        shown = text(driver, "#agreement")
+        assert "2 versions" in shown and "⚠" not in shown and "groups of replicas" not in shown
+        assert driver.find_element(By.ID, "agreement").get_attribute("class") != "split"
+        assert "·" not in text(driver, f'tr[data-peer="{EVIL}"] td[data-col="vv"]')  # no group letter
+        snap["agreement"].update(state="diverged", behind={EVIL: 75.0})
+        WebDriverWait(driver, WAIT_S).until(lambda d: "replicas diverged" in text(d, "#agreement"))
+        assert "behind 1 m 15 s" in text(driver, f'tr[data-peer="{EVIL}"] td[data-col="peer"]')
+        assert page_errors(driver, server) == []
