@@ -90,7 +90,7 @@ def real_swarms(k: int, workdir: Path) -> list[float]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_swarm
 
-    from p2p_diloco.train.data import eval_batches, load_corpus
+    from p2p_diloco.train.data.corpus import eval_batches, load_corpus
 
     spec = spec_for(METHODS["async-new"], budget_per_unit=500)
     corpus = load_corpus(spec.data)

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import preset
-from p2p_diloco.train.checkpoint import StateManager
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
 from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import run_rounds
+from p2p_diloco.train.state.manager import StateManager
 from p2p_diloco.wire.identity import Identity
 
 

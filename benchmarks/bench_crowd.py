@@ -1,9 +1,9 @@
 """Open runs against a crowd (issue 16): how far two honest peers fall behind each other, and how much of the
 victim's uplink goes to the crowd, when 0, 10 or 100 fresh identities stall or flood them on loopback.
 
-Honest peers A and B run in this process (tests/crowd.py `start_honest`: SwarmNode + Gossip + PeerGuard, the
+Honest peers A and B run in this process (tests/helpers/crowd/ `start_honest`: SwarmNode + Gossip + PeerGuard, the
 default gossip and rate-limit settings unless `--uplink-mb` is given), each publishing a signed update of
-`--numel` values (int8: ~1 byte each) every `--publish-s`. The crowd (tests/crowd.py `Crowd`: one p2pd per
+`--numel` values (int8: ~1 byte each) every `--publish-s`. The crowd (tests/helpers/crowd/ `Crowd`: one p2pd per
 identity, in worker processes) is dialled to both. Per crowd size the crowd starts once; per behaviour a fresh
 pair A, B exchanges updates until each merged one of the other (each a contributor in the other's ledger),
 then a baseline window (`--base-s`, the crowd idle), then the attack (`--attack-s`):
@@ -45,14 +45,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the crowd harness the tests use
-
-from crowd import Crowd, disengage, engage, leftover_daemons, measure, start_honest, stop_honest  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.helpers: the crowd harness the tests use
 
 import p2p_diloco  # noqa: E402
 from p2p_diloco.config import preset  # noqa: E402
 from p2p_diloco.config.admission import RateLimitConfig  # noqa: E402
 from p2p_diloco.net.gossip.service import GossipConfig  # noqa: E402
+from tests.helpers.crowd.crowd import Crowd  # noqa: E402
+from tests.helpers.crowd.group import leftover_daemons  # noqa: E402
+from tests.helpers.crowd.honest import start_honest, stop_honest  # noqa: E402
+from tests.helpers.crowd.scenarios import disengage, engage, measure  # noqa: E402
 
 SPEC = dataclasses.replace(preset("test"), run_id="bench-crowd")
 BEHAVIOURS = ("stall", "flood")

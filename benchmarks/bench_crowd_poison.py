@@ -33,8 +33,9 @@ from pathlib import Path
 
 from p2p_diloco.config import DefenceConfig, SimConfig, preset
 from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
-from p2p_diloco.sync.standing import REFUSALS, TIED, probation_multiplier
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.sync.probation import probation_multiplier
+from p2p_diloco.sync.verdict import REFUSALS, TIED
+from p2p_diloco.train.data.corpus import load_corpus
 
 ATTACKS = {"sign_flip": ("sign_flip", 1.0, 1.0), "scale5": ("scale", 5.0, 1.0),
            "scale5-nobound": ("scale", 5.0, 0.0), "scale2": ("scale", 2.0, 1.0), "noise": ("noise", 1.0, 1.0),
@@ -98,7 +99,7 @@ def late_volunteer(preset_name: str, inner_steps: int, steps_per_peer: int, crow
     for peer in swarm.peers[:3]:
         replica = peer.learner.replica
         for seq in range(1, replica.version_vector.get(joiner) + 1):
-            by_seq.setdefault(seq, []).append(replica._merged.multiplier(joiner, seq))
+            by_seq.setdefault(seq, []).append(replica.merged_weight(joiner, seq))
     return {"crowd": crowd, "multipliers_by_seq": {k: sorted(v) for k, v in sorted(by_seq.items())}}
 
 

@@ -25,7 +25,7 @@ from p2p_diloco.config import RunSpec, SimConfig, preset
 from p2p_diloco.sim.plot import plot_curves
 from p2p_diloco.sim.result import SimResult
 from p2p_diloco.sim.runner import simulate
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
 
 
 def with_outer(spec: RunSpec, **kw) -> RunSpec:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RunSpec
-from p2p_diloco.train.compute import Compute
+from p2p_diloco.train.hardware.compute import Compute
 from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.wire.identity import Identity
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from p2p_diloco.config import preset
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
 from p2p_diloco.train.learner import Learner
 from p2p_diloco.wire.identity import Identity
 

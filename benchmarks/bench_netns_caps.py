@@ -4,13 +4,13 @@
     sudo .venv/bin/python benchmarks/bench_netns_caps.py --quick         # tiny preset, to try the script
     .venv/bin/python benchmarks/bench_netns_caps.py --table              # only rewrite the table from the JSON
 
-Per cap, a fresh tests/netns_nat.py topology: a public bootstrap (uncapped: it is the relay), peers `a`, `b`
+Per cap, a fresh tests/helpers/netns.py topology: a public bootstrap (uncapped: it is the relay), peers `a`, `b`
 behind their own NAT (MASQUERADE, unsolicited inbound dropped) and `p`, `q` with public addresses, every
 peer's uplink capped at the cap (tc tbf). All run the README's plain `join --bootstrap ADDR` (reachability
 auto) for --rounds rounds of H inner steps on their own data shard. The `small` preset's H=100 is too long for
 a 2-core machine that runs 4 peers at once, so H is --inner-steps (default 10) and the run is a few rounds.
 
-Measured, from the peers' JSON logs (tests/swarm_helpers.py Launcher):
+Measured, from the peers' JSON logs (tests/helpers/swarm.py Launcher):
 - utilization: the round event's `utilization` at the last counted round (compute seconds / seconds since
   training began; eval pauses and anything else that is not an inner step count as idle);
 - time to target: the first round event whose `eval_loss` is <= the target, minus the moment the swarm began
@@ -54,10 +54,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the namespaces and the process launcher the netns tests use
+sys.path.insert(0, str(ROOT))  # tests.helpers: the namespaces and the process launcher the netns tests use
 
-from netns_nat import NatTopology, nat_unavailable  # noqa: E402
-from swarm_helpers import Launcher, Proc, WaitTimeout, wait_until  # noqa: E402
+from tests.helpers.netns import NatTopology, nat_unavailable  # noqa: E402
+from tests.helpers.swarm import Launcher, Proc, WaitTimeout, wait_until  # noqa: E402
 
 TRAINERS = {"a": "nat", "b": "nat", "p": "public", "q": "public"}
 JOINERS = {"jd": "nat", "jr": "nat"}

@@ -37,7 +37,7 @@ from pathlib import Path
 from p2p_diloco.config import DefenceConfig, RunSpec, SimConfig, preset
 from p2p_diloco.sim.adversary import Adversary, HostileSwarm, Hostility
 from p2p_diloco.sync.robust import honest_coord_bound
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
 
 DEFENCES = {
     "none": DefenceConfig(norm_bound=0.0, aggregation="sum"),

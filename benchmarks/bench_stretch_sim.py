@@ -23,7 +23,7 @@ import torch
 from p2p_diloco.config import SimConfig, preset
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
 from p2p_diloco.sim.swarm import AsyncSwarm, TokenBudget
-from p2p_diloco.train.data import load_corpus
+from p2p_diloco.train.data.corpus import load_corpus
 from p2p_diloco.train.loop import PhaseStretched, RoundDone, Schedule, rounds
 
 

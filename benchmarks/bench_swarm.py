@@ -33,8 +33,8 @@ import torch
 
 from p2p_diloco.config import SimConfig, preset
 from p2p_diloco.sim.runner import simulate
-from p2p_diloco.train.data import eval_batches, evaluate, load_corpus
-from p2p_diloco.train.model import build_model, load_flat_params
+from p2p_diloco.train.data.corpus import eval_batches, evaluate, load_corpus
+from p2p_diloco.train.models.build import build_model, load_flat_params
 
 ROOT = Path(__file__).resolve().parent.parent
 

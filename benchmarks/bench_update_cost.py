@@ -17,9 +17,9 @@ import torch
 
 from p2p_diloco.config import preset
 from p2p_diloco.sync.replica import Replica
-from p2p_diloco.train.data import ShardSampler, load_corpus
+from p2p_diloco.train.data.corpus import ShardSampler, load_corpus
 from p2p_diloco.train.inner import inner_step, make_inner_optimizer
-from p2p_diloco.train.model import build_model, flat_params
+from p2p_diloco.train.models.build import build_model, flat_params
 from p2p_diloco.train.outer import OuterState, outer_update
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import decode_update, encode_update, make_update

@@ -4,7 +4,7 @@ loop gets from an honest peer's uplink, and what the honest peers still get, wit
 The issue's measurement on main before issue 16: one remote that had only joined the DHT pulled everything in
 a loop and got 3.5 GB in 60 s (58 MB/s) from one peer, for 20 KB of requests, with no refusal or penalty.
 
-A real local swarm on 127.0.0.1 (tests/crowd.py): honest peers A and B (SwarmNode + Gossip + PeerGuard in this
+A real local swarm on 127.0.0.1 (tests/helpers/crowd/): honest peers A and B (SwarmNode + Gossip + PeerGuard in this
 process, A the DHT bootstrap of B), each publishing a signed update of `--numel` values (int8: ~1 byte each)
 every `--publish-s`, and one more identity (its own key and p2pd, no DHT, as cheap as a remote gets) that pulls
 everything from A in a loop, reading every stream to its end. Per row a fresh A and B exchange updates until
@@ -44,13 +44,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the crowd harness the tests use
-
-from crowd import Crowd, disengage, engage, leftover_daemons, measure, start_honest, stop_honest  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.helpers: the crowd harness the tests use
 
 from p2p_diloco.config import preset  # noqa: E402
 from p2p_diloco.config.admission import RateLimitConfig  # noqa: E402
 from p2p_diloco.net.gossip.service import GossipConfig  # noqa: E402
+from tests.helpers.crowd.crowd import Crowd  # noqa: E402
+from tests.helpers.crowd.group import leftover_daemons  # noqa: E402
+from tests.helpers.crowd.honest import start_honest, stop_honest  # noqa: E402
+from tests.helpers.crowd.scenarios import disengage, engage, measure  # noqa: E402
 
 SPEC = dataclasses.replace(preset("test"), run_id="bench-uplink")
 MODES = ("none", "reciprocity", "fair", "measured")

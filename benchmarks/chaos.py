@@ -33,10 +33,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the process launcher the multi-peer tests use
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks.*, and tests.helpers: the process launcher the multi-peer tests use
 
-from chaos_metrics import (  # noqa: E402
+from benchmarks.chaos_metrics import (  # noqa: E402
     Action,
     intervals,
     load_schedule,
@@ -50,8 +49,9 @@ from chaos_metrics import (  # noqa: E402
     summarize,
     validate_schedule,
 )
-from chaos_plot import write_outputs  # noqa: E402
-from swarm_helpers import Launcher, NetnsTopology, Proc, netns_unavailable, wait_until  # noqa: E402
+from benchmarks.chaos_plot import write_outputs  # noqa: E402
+from tests.helpers.netns import NetnsTopology, netns_unavailable  # noqa: E402
+from tests.helpers.swarm import Launcher, Proc, wait_until  # noqa: E402
 
 START_S = 180.0  # one process's start-up on a loaded machine, with margin
 

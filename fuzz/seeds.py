@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2p_diloco.net.discovery.records import PEER_RECORD_DOMAIN, encode_peer_record
 from p2p_diloco.net.gossip.messages import encode_request
-from p2p_diloco.net.statesync.client import MANIFEST_DOMAIN, Manifest, parse_manifest
+from p2p_diloco.net.statesync.manifest import MANIFEST_DOMAIN, Manifest, parse_manifest
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import UPDATE_DOMAIN, OuterUpdate, encode_update, make_update, sign_blob

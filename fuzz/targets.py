@@ -39,7 +39,7 @@ from fuzz.seeds import MANIFEST_NUMEL, MAX_MANIFEST_BYTES, MAX_UPDATE_BYTES, REC
 from p2p_diloco.net.discovery.records import PEER_RECORD_DOMAIN, PeerRecordValidator, decode_peer_record, peers_key
 from p2p_diloco.net.gossip.digests import MAX_ID_DIGESTS
 from p2p_diloco.net.gossip.messages import parse_request
-from p2p_diloco.net.statesync.client import MANIFEST_DOMAIN, MAX_CHUNK_BYTES, DonorError, parse_manifest
+from p2p_diloco.net.statesync.manifest import MANIFEST_DOMAIN, MAX_CHUNK_BYTES, DonorError, parse_manifest
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.sync.version_vector import MAX_HOLES, MAX_SENDER_LEN, MAX_SEQ, VersionVector
 from p2p_diloco.wire.codecs import CODEC_NAMES, BlockwiseCodec, Codec, CodecError, get_codec

@@ -31,6 +31,6 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install -e ".[dev]"
-python -c "from p2p_diloco.train.tokens import stdlib_token_dataset as s; print('setup: stdlib token dataset', s())" \
+python -c "from p2p_diloco.train.data.tokens import stdlib_token_dataset as s; print('setup: stdlib token dataset', s())" \
   || echo "setup: could not pre-build the stdlib token dataset (needs the tokenizers package); built on first use"
 echo "setup: done. Try: .venv/bin/p2p-diloco --help"

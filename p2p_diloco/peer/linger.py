@@ -14,17 +14,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from p2p_diloco.net.discovery.status import is_quiet
+
+if TYPE_CHECKING:
+    from p2p_diloco.peer.network import PeerNetwork
+    from p2p_diloco.peer.output import JsonLog
+    from p2p_diloco.train.learner import Learner
 
 CHECK_INTERVAL_S = 0.5
 QUIET_READS = 2
 """Reads of the peer records in a row that must find the swarm quiet."""
 
 
-def linger(network: Any, learner: Any, *, stop: threading.Event, linger_s: float, at_round: int,
-           out: Callable[[str], None], log: Any) -> None:
+def linger(network: PeerNetwork, learner: Learner, *, stop: threading.Event, linger_s: float, at_round: int,
+           out: Callable[[str], None], log: JsonLog) -> None:
     """Announce "done", then wait (at most `linger_s`, or until `stop`) for every live peer to hold our
     version vector; the network keeps serving and merging meanwhile."""
     network.local = {**network.local, "state": "done"}

@@ -10,24 +10,32 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from p2p_diloco.view.figures import ReplicaWatch, reachability, refused, rejected, rejected_by
 from p2p_diloco.view.snapshot import Curves, LocalRounds, build_snapshot
+from p2p_diloco.view.web import StatusServer
+
+if TYPE_CHECKING:
+    from p2p_diloco.peer.network import PeerNetwork
+    from p2p_diloco.peer.report import PeerReport
+
+Figures = dict[str, object]
+"""A snapshot's figures (view/snapshot.py): JSON values, untrusted where they come from records."""
 
 
 class PeerStatus:
     """This peer's view of the swarm, and the status server when one is asked for."""
 
-    def __init__(self, network: Any, report: Any) -> None:
+    def __init__(self, network: PeerNetwork, report: PeerReport | None) -> None:
         self.network, self.report = network, report
         self.curves = Curves()
         self.rounds = LocalRounds()
         self.replicas = ReplicaWatch()
-        self.server: Any = None
+        self.server: StatusServer | None = None
         self._lock = threading.Lock()
 
-    def round_done(self, figures: dict[str, Any]) -> None:
+    def round_done(self, figures: Figures) -> None:
         """After each round (compute thread): our round into the history, the others' records into the curves,
         so the page shows the whole run even when nobody watched it."""
         self.rounds.append({**figures, "time": time.time()})
@@ -46,7 +54,7 @@ class PeerStatus:
             records[network.node.peer_id] = own
         return records
 
-    def self_figures(self) -> dict[str, Any] | None:
+    def self_figures(self) -> Figures | None:
         """Our own figures; `rejected` as the others read it from our last record (view/figures.py)."""
         network = self.network
         if network.learner is None:
@@ -68,7 +76,7 @@ class PeerStatus:
         verdict = detector.verdict if detector is not None else None
         return verdict.status() if verdict is not None else None
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Figures:
         network = self.network
         node = network.node
         addrs = node.visible_maddrs() if node is not None else []
@@ -85,7 +93,6 @@ class PeerStatus:
     def serve(self, host: str, port: int) -> str:
         """Start the status page and /metrics on host:port (port 0: a free one); returns its URL."""
         from p2p_diloco.view.metrics import metrics_endpoint
-        from p2p_diloco.view.web import StatusServer
 
         self.server = StatusServer(self.snapshot, host=host, port=port, metrics=metrics_endpoint(self.snapshot))
         self.server.start()

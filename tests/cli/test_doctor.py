@@ -5,14 +5,13 @@ the finding and its fix; never a traceback."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 
-from swarm_helpers import Launcher, cli
-
-from p2p_diloco.net.discovery.doctor import parse_bootstrap
+from p2p_diloco.net.discovery.bootstraps import parse_bootstrap
 from p2p_diloco.net.discovery.update_size import gpt_params, payload_bytes, update_bytes
+from tests.helpers.net import closed_tcp_port
+from tests.helpers.swarm import Launcher, cli
 
 PEER_ID = "12D3KooWNXBJGqQjDuk11fxCLJdxRyzdZAh9imdWksGX7ZHaAFaR"
 
@@ -22,12 +21,6 @@ def _doctor(*args: str, timeout_s: float = 120) -> tuple[subprocess.CompletedPro
     out = subprocess.run(cli("doctor", *args), capture_output=True, text=True, timeout=timeout_s)
     assert "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
     return out, time.monotonic() - started
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_doctor_against_a_running_bootstrap_says_a_join_would_work(tmp_path):
@@ -57,7 +50,7 @@ def test_malformed_addresses_are_named_with_what_is_wrong():
 
 
 def test_a_bootstrap_with_nothing_listening_is_down_within_the_timeout():
-    address = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{PEER_ID}"
+    address = f"/ip4/127.0.0.1/tcp/{closed_tcp_port()}/p2p/{PEER_ID}"
     out, elapsed_s = _doctor("--bootstrap", address, "--timeout-s", "5")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "DOWN" in out.stdout and "this bootstrap is down" in out.stdout
@@ -86,7 +79,7 @@ def test_update_size_matches_the_model_and_the_codecs():
     import torch
 
     from p2p_diloco.config import preset
-    from p2p_diloco.train.model import GPT
+    from p2p_diloco.train.models.gpt import GPT
     from p2p_diloco.wire.codecs import get_codec
 
     spec = preset("test")

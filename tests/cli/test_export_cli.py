@@ -11,8 +11,8 @@ import pytest
 import p2p_diloco.cli.main as cli_main
 from p2p_diloco.cli.export import add_export_commands
 from p2p_diloco.config import preset
-from p2p_diloco.train.checkpoint import CheckpointStore
-from p2p_diloco.train.model import build_model, flat_params
+from p2p_diloco.train.models.build import build_model, flat_params
+from p2p_diloco.train.state.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.timeout(120)
 

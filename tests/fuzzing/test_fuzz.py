@@ -17,12 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the fuzz/ package lives at the repository root
-from fuzz import harness, seeds, targets  # noqa: E402
-from p2p_diloco.net.statesync.client import DonorError, parse_manifest  # noqa: E402
-from p2p_diloco.wire import codecs, envelope  # noqa: E402
-from p2p_diloco.wire.codecs import CODEC_NAMES  # noqa: E402
-from p2p_diloco.wire.envelope import MAX_DETAIL_CHARS, UPDATE_DOMAIN, WireError, decode_update, sign_blob  # noqa: E402
+from fuzz import harness, seeds, targets
+from p2p_diloco.net.statesync.manifest import DonorError, parse_manifest
+from p2p_diloco.wire import codecs, envelope
+from p2p_diloco.wire.codecs import CODEC_NAMES
+from p2p_diloco.wire.envelope import MAX_DETAIL_CHARS, UPDATE_DOMAIN, WireError, decode_update, sign_blob
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 F = seeds.fixtures()

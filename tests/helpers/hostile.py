@@ -1,6 +1,6 @@
-"""A hostile peer for the tests (issue 5). It speaks the real protocol over loopback: a hivemind node with its
-own Ed25519 identity, serving the run's `pull` (and `manifest`/`chunk`) streams with hand-made frames, calling
-honest peers' `announce` and `hello`, and writing DHT records, valid and forged.
+"""A hostile peer for the tests (README "Hostile peers and closed runs"). It speaks the real protocol over
+loopback: a hivemind node with its own Ed25519 identity, serving the run's `pull` (and `manifest`/`chunk`) streams
+with hand-made frames, calling honest peers' `announce` and `hello`, and writing DHT records, valid and forged.
 
 What it can send is everything an attacker on the internet can: crafted envelopes (`forged_signature`,
 `wrong_peer_id`, `equivocation`, `wrong_run`, `wrong_shape`, `nonfinite`, `huge_norm`, `oversized`,
@@ -26,7 +26,7 @@ import msgpack
 import torch
 
 from p2p_diloco.config import RunSpec
-from p2p_diloco.net.admission.guard import hello_name
+from p2p_diloco.net.admission.hello import hello_name
 from p2p_diloco.net.discovery.records import (
     PEER_RECORD_DOMAIN,
     announce_peer,
@@ -90,7 +90,7 @@ class HostilePeer:
             await asyncio.sleep(0.5)
         spec = RunSpec.from_dict(found[0])
         assert spec.spec_hash() == found[1]
-        from p2p_diloco.train.model import build_model, flat_params
+        from p2p_diloco.train.models.build import build_model, flat_params
 
         numel = flat_params(build_model(spec.model, spec.seed)).numel()
         peer = cls(node, identity, spec, numel)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any
@@ -53,3 +54,10 @@ async def start_member(tmp_path_factory, initial_peers: tuple[str, ...] = ()) ->
     identity.save(path)
     config = NodeConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial_peers, start_timeout_s=30)
     return Member(await SwarmNode.start(path, config), identity)
+
+
+def closed_tcp_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on: bound to find a free one, closed again on return."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

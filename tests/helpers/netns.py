@@ -1,4 +1,5 @@
-"""An internet in network namespaces: public hosts on one bridge, NATed hosts each behind its own router.
+"""Hosts in Linux network namespaces, and an internet of them: public hosts on one bridge, NATed hosts each
+behind its own router.
 
     inet (hub namespace)  bridge br0, 10.240.0.0/24: the "public internet"
     public member         its own namespace, eth0 on br0 with 10.240.0.N
@@ -11,16 +12,127 @@
 Uplink caps are `tc tbf` on the member's own eth0 (what it sends). Everything lives on private addresses inside
 namespaces this class creates, and is deleted on exit whatever happened (stop the processes in them first).
 Needs root, `ip` (iproute2), `iptables` and `tc`; `nat_unavailable()` says why not when they are missing.
-Shared by tests/peer/test_nat.py and benchmarks/bench_netns_caps.py.
+`NetnsTopology`: hosts on bridges joined by veth links, no NAT (tests/peer/test_partition.py, benchmarks/chaos.py);
+`NatTopology`: the internet above (tests/peer/test_nat.py, benchmarks/bench_netns_caps.py).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import uuid
+from typing import Any
 
-from swarm_helpers import Namespaces, netns_unavailable
+
+def netns_unavailable() -> str | None:
+    """Why network-namespace tests cannot run here (None: they can)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is missing"
+    name = f"p2dprobe{uuid.uuid4().hex[:6]}"
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns add` failed: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+class Namespaces:
+    """Namespaces a test creates (`created`) and always deletes: `with X(...)` runs `_create`, and on any error
+    in it, or at the end, `destroy` (stop the processes in them first)."""
+
+    created: list[str]
+
+    def _create(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self._create()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def destroy(self) -> None:
+        for ns in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.created.clear()
+
+
+class NetnsTopology(Namespaces):
+    """Every member in its own network namespace, each on one of two bridges (its group) in a hub namespace;
+    a veth link joins the bridges. `cut()` sets that link down (the groups cannot reach each other, each
+    group still can reach itself), `heal()` sets it up. Nothing outside the namespaces it creates is touched;
+    use it as a context manager: the namespaces are always deleted (stop the processes in them first)."""
+
+    SUBNET = "10.231.0"
+
+    def __init__(self, groups: dict[str, list[str]]):
+        import uuid
+
+        if len(groups) != 2:
+            raise ValueError("two groups: the partition cuts the link between them")
+        self.token = f"p2d{uuid.uuid4().hex[:5]}"
+        self.hub = f"{self.token}-hub"
+        self.groups = {g: list(members) for g, members in groups.items()}
+        self.members = [m for members in self.groups.values() for m in members]
+        self.created: list[str] = []
+
+    def namespace(self, member: str) -> str:
+        return f"{self.token}-{self.members.index(member)}"
+
+    def prefix(self, member: str) -> tuple[str, ...]:
+        """Run a command inside `member`'s namespace (`ip netns exec` execs it in place)."""
+        return ("ip", "netns", "exec", self.namespace(member))
+
+    def host(self, member: str) -> str:
+        return f"{self.SUBNET}.{self.members.index(member) + 1}"
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+    def _create(self) -> None:
+        hub = self.hub
+        self._ip("netns", "add", hub)
+        self.created.append(hub)
+        for g in self.groups:
+            self._ip("-n", hub, "link", "add", f"br{g}", "type", "bridge")
+            self._ip("-n", hub, "link", "set", f"br{g}", "up")
+        (ga, gb) = self.groups
+        self._ip("-n", hub, "link", "add", "cut-a", "type", "veth", "peer", "name", "cut-b")
+        for end, g in (("cut-a", ga), ("cut-b", gb)):
+            self._ip("-n", hub, "link", "set", end, "master", f"br{g}", "up")
+        for g, members in self.groups.items():
+            for member in members:
+                ns, index = self.namespace(member), self.members.index(member)
+                self._ip("netns", "add", ns)
+                self.created.append(ns)
+                self._ip("-n", ns, "link", "set", "lo", "up")
+                self._ip("-n", hub, "link", "add", f"m{index}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+                self._ip("-n", hub, "link", "set", f"m{index}", "master", f"br{g}", "up")
+                self._ip("-n", ns, "addr", "add", f"{self.host(member)}/24", "dev", "eth0")
+                self._ip("-n", ns, "link", "set", "eth0", "up")
+
+    def cut(self) -> None:
+        self._ip("-n", self.hub, "link", "set", "cut-a", "down")
+
+    def heal(self) -> None:
+        self._ip("-n", self.hub, "link", "set", "cut-a", "up")
+
+
+# ---------------------------------------------------------------------------------------------- NAT
 
 PUBLIC_SUBNET = "10.240.0"
 
