@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
@@ -186,8 +186,8 @@ class Presence:
             members[pid] = record
             self._check_corpus(parts.static_record, pid, record)
         self._note_lost(members)
-        self._known_maddrs = {pid: [m for m in r["maddrs"][:MAX_ANNOUNCED_MADDRS] if isinstance(m, str)]
-                              for pid, r in members.items() if isinstance(r.get("maddrs"), list)} | {
+        self._known_maddrs = {pid: [m for m in maddrs[:MAX_ANNOUNCED_MADDRS] if isinstance(m, str)]
+                              for pid, r in members.items() if isinstance(maddrs := r.get("maddrs"), list)} | {
             pid: m for pid, m in self._known_maddrs.items() if pid in self.lost}
         self.peers = live(members)
         for pid, record in self.peers.items():  # peers that said nobody can dial them: through a relay first
@@ -232,13 +232,14 @@ class Presence:
 
     # ---- meeting lost peers again -----------------------------------------------------------------------------
 
-    def meet_again_targets(self) -> dict[str, list[str]]:
+    def meet_again_targets(self) -> dict[str, Sequence[str]]:
         """The bootstrap peers (the entry points a new peer is given) and the peers lost without a farewell."""
         targets: dict[str, list[str]] = {}
         for maddr in self.initial_peers:
             pid = maddr.rsplit("/p2p/", 1)[-1]
             targets.setdefault(pid, []).append(maddr)
-        for pid in sorted(self.lost, key=self.lost.get, reverse=True):  # the most recently lost first
+        lost = self.lost  # replaced whole by the loop: one snapshot
+        for pid in sorted(lost, key=lambda p: lost[p], reverse=True):  # the most recently lost first
             targets.setdefault(pid, self._known_maddrs.get(pid, []))
         return dict(list(targets.items())[:MAX_MEET_AGAIN])
 

@@ -51,7 +51,7 @@ class SwarmExchange:
         self._last_view_at = now
         learner = getattr(self.network, "learner", None)
         standing = learner.replica.standing if learner is not None else None
-        if standing is not None:
+        if learner is not None and standing is not None:  # a standing comes with a learner
             with learner.replica.lock:
                 size = standing.swarm_size(learner.replica.clock(), window_s)
             size = min(float(MAX_WEIGHTED_PEERS + 1), size)

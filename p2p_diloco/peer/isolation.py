@@ -88,8 +88,9 @@ class Diagnosis:
 
 
 def _int(value: object) -> int:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return int(value) if ok else 0
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return int(value)
+    return 0
 
 
 def _delta(now: Mapping[str, object], before: Mapping[str, object]) -> dict[str, int]:
@@ -214,7 +215,7 @@ class IsolationDetector:
         """One round: `peers` the live member records, `vector` our replica's version vector, `counters` the
         network's counters and `rejected_by` the refusals by reason (cumulative; the detector takes deltas),
         `ignore` senders never to wait for (banned)."""
-        counters = {k: _int(v) for k, v in (counters or {}).items() if isinstance(k, str)}
+        counts = {k: _int(v) for k, v in (counters or {}).items() if isinstance(k, str)}
         rejected = {k: _int(v) for k, v in (rejected_by or {}).items() if isinstance(k, str)}
         others = {s: _int(n) for s, n in vector.items() if s != self.self_id}
         merged_from = 0 if self._others is None else sum(
@@ -223,13 +224,13 @@ class IsolationDetector:
         self._others = others
         if first or merged_from:
             was_alone, rounds, seconds = self.alone, at_round - self._start[0], now - self._start[1]
-            self._reset(at_round, now, peers, counters, rejected)
+            self._reset(at_round, now, peers, counts, rejected)
             event = "connected" if was_alone else None
             self.verdict = Verdict(False, event, rounds if was_alone else 0, seconds if was_alone else 0.0, 0,
                                    merging_from=merged_from)
             return self.verdict
         skip = set(ignore)
-        unreached = []
+        found: list[tuple[str, int, int]] = []  # (peer, seq, held)
         for pid, record in peers.items():
             if pid == self.self_id or pid in skip or not isinstance(pid, str):
                 continue
@@ -241,9 +242,9 @@ class IsolationDetector:
             held = others.get(pid, 0)
             # it published during the window (or ever, and we hold nothing of it) and we still lack some of it
             if seq > held and (seq > base or held == 0):
-                unreached.append({"peer": pid, "seq": seq, "held": held})
+                found.append((pid, seq, held))
         rounds, seconds = at_round - self._start[0], now - self._start[1]
-        alone = bool(unreached) and rounds >= self.min_rounds and seconds >= self.min_seconds
+        alone = bool(found) and rounds >= self.min_rounds and seconds >= self.min_seconds
         event = None
         if alone and not self.alone:
             event, self._alone_since = "alone", at_round
@@ -252,10 +253,10 @@ class IsolationDetector:
         elif not alone and self.alone:  # the publishers went quiet or away: no longer a reason to warn
             event = "cleared"
         self.alone = alone
-        unreached.sort(key=lambda u: (-(u["seq"] - u["held"]), u["peer"]))
-        diagnosis = diagnose(_delta(counters, self._counters), _delta(rejected, self._rejected)) if alone else None
-        self.verdict = Verdict(alone, event, rounds, seconds, len(unreached), tuple(unreached[:MAX_UNREACHED]),
-                               diagnosis)
+        found.sort(key=lambda f: (-(f[1] - f[2]), f[0]))
+        unreached = tuple({"peer": pid, "seq": seq, "held": held} for pid, seq, held in found[:MAX_UNREACHED])
+        diagnosis = diagnose(_delta(counts, self._counters), _delta(rejected, self._rejected)) if alone else None
+        self.verdict = Verdict(alone, event, rounds, seconds, len(found), unreached, diagnosis)
         return self.verdict
 
     def _reset(self, at_round: int, now: float, peers: Mapping[str, Mapping[str, object]], counters: dict[str, int],

@@ -59,7 +59,7 @@ def uplink_counters(guard: PeerGuard) -> dict[str, int]:
     (`uplink_metered_bytes`, `uplink_samples`) and the fair-share refusals (`uplink_fair_share`)."""
     uplink = getattr(guard, "uplink", None)
     meter = getattr(uplink, "meter", None)
-    if meter is None:
+    if uplink is None or meter is None:  # no uplink: no meter either
         return {}
     return {"uplink_bps": int(uplink.rate_bps() or 0), "uplink_budget_bps": int(uplink.budget_bps()),
             "uplink_metered_bytes": int(meter.total_bytes), "uplink_samples": int(meter.samples),

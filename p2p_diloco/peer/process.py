@@ -183,7 +183,9 @@ class Peer:
         """Load the newest good checkpoint (CPU work, while the node starts); None if there is none."""
         restored = self.checkpoints.restore(learner) if self.checkpoints else None
         if restored is not None:
-            self.round = int(restored["round"])
+            at = restored["round"]
+            assert isinstance(at, int)  # StateManager.restore: the manifest's round (checked) plus the replayed
+            self.round = int(at)
         return restored
 
     def _adopt_journal(self) -> int:

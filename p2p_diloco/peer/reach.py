@@ -75,7 +75,8 @@ async def settle_reachability(node: SwarmNode, identity_path: str, validators: S
 def donor_rank(record: Mapping[str, object]) -> tuple[int, float]:
     """State-sync donors: public ones first (a snapshot from a peer behind NAT crosses a bootstrap's relay,
     which every NATed peer shares), then the freshest; a NATed donor is still tried when no public one serves."""
-    reach = {"public": 0, "private": 2}.get(record.get("reach"), 1)
+    ranks: dict[object, int] = {"public": 0, "private": 2}
+    reach = ranks.get(record.get("reach"), 1)
     return reach, -number(record, "version_vector_total")
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from p2p_diloco.config import RunSpec
+from p2p_diloco.net.discovery.status import number
 from p2p_diloco.peer.announce import Record
 from p2p_diloco.peer.isolation import IsolationDetector, Verdict
 from p2p_diloco.peer.network import PeerNetwork
@@ -77,7 +78,7 @@ class PeerReport(Hooks):
             self.out("state sync: not needed (no live peer has merged updates yet); starting from the run's seed")
             return
         self.out(f"state sync: loaded replica with V total {synced['vv_total']} from donor {synced['donor']} "
-                 f"({fmt_bytes(synced['bytes'])} in {synced['seconds']:.1f}s)")
+                 f"({fmt_bytes(number(synced, 'bytes'))} in {synced['seconds']:.1f}s)")
         self.log.write("sync", **synced)
 
     # ---- the round loop's hooks ---------------------------------------------------------------------------
@@ -150,11 +151,12 @@ class PeerReport(Hooks):
     def final(self, at_round: int, out_dir: str) -> None:
         """The final eval, counters and state (written to `out_dir` if given)."""
         learner, counters = self.learner, self.network.counters
+        sent = counters.get("bytes_sent", 0)
         theta, vv = learner.replica.snapshot()
         eval_loss = learner.evaluate(self.eval_set)
         final = {"peer_id": learner.peer_id, "round": at_round, "step": learner.step,
                  "eval_loss": eval_loss, "vv_total": vv.total(), "vv_digest": vv.digest().hex()[:16],
-                 "bytes_sent": counters.get("bytes_sent", 0), "bytes_received": counters.get("bytes_received", 0),
+                 "bytes_sent": sent, "bytes_received": counters.get("bytes_received", 0),
                  "merged": counters.get("merged", 0), "rejected": counters.get("rejected", 0),
                  "duplicates": counters.get("duplicate", 0), "seq": learner.last_seq,
                  "equivocations": learner.replica.stats.get("equivocation", 0),
@@ -170,5 +172,5 @@ class PeerReport(Hooks):
             final.update(theta_path=str(theta_path), vv_path=str(vv_path))
             self.out(f"wrote {theta_path} and {vv_path}")
         self.out(f"final: rounds {at_round}  eval {eval_loss:.3f}  V {vv.total()}  "
-                 f"sent {fmt_bytes(final['bytes_sent'])}  merged {final['merged']}  rejected {final['rejected']}")
+                 f"sent {fmt_bytes(sent)}  merged {final['merged']}  rejected {final['rejected']}")
         self.log.write("final", **final)

@@ -66,7 +66,9 @@ async def catch_up(network: PeerNetwork, learner: Learner, *, stall_s: float, ma
                    on_sync: Callable[[], int]) -> Summary:
     """Pull until our V holds every live peer's last seq; state sync if that stalls. Returns a summary:
     `how` is "caught_up", "alone" (no live peer), "state_sync", "sync_failed" or "timeout"."""
-    me = network.node.peer_id
+    node = network.node
+    assert node is not None  # catching up once serving: the node is up
+    me = node.peer_id
     records = {pid: r for pid, r in network.peers.items() if pid != me}
     targets = {pid: int(number(r, "seq")) for pid, r in records.items() if number(r, "seq") > 0}
     donors = sorted((pid for pid, r in records.items() if number(r, "version_vector_total") > 0),
@@ -78,8 +80,10 @@ async def catch_up(network: PeerNetwork, learner: Learner, *, stall_s: float, ma
                "vv_total_before": vv0.total()}
     if not donors:
         return {**summary, "how": "alone", "seconds": 0.0, "vv_total": vv0.total()}
+    gossip = network.gossip
+    assert gossip is not None  # serving: the services are attached
     for pid in donors[:MAX_PULL_PEERS]:
-        await network.gossip.request_pull(pid)
+        await gossip.request_pull(pid)
     last_total, last_progress, last_ask = vv0.total(), started, started
     how = "caught_up"
     while True:
@@ -101,7 +105,7 @@ async def catch_up(network: PeerNetwork, learner: Learner, *, stall_s: float, ma
         if now - last_ask >= PULL_AGAIN_S:
             last_ask = now
             for pid in sorted(lagging, key=lambda p: -lagging[p])[:MAX_PULL_PEERS]:
-                await network.gossip.request_pull(pid)
+                await gossip.request_pull(pid)
         await asyncio.sleep(POLL_S)
     vv = learner.replica.version_vector
     return {**summary, "how": how, "seconds": time.monotonic() - started, "vv_total": vv.total()}
@@ -116,7 +120,9 @@ async def _state_sync(network: PeerNetwork, donors: list[str], on_sync: Callable
         logger.warning("catch-up state sync failed (training anyway; gossip goes on) error=%s", e)
         return "sync_failed"
     on_sync()  # our own journaled updates the snapshot lacks; m, e, optimizer, data, seq stay ours
-    await network.gossip.request_pull(donor)
+    gossip = network.gossip
+    assert gossip is not None  # load_snapshot needs the services attached
+    await gossip.request_pull(donor)
     return "state_sync"
 
 

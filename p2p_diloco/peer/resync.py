@@ -113,9 +113,10 @@ class Resync:
             if peer == me or (guard is not None and guard.is_penalized(peer)):
                 continue
             vv = known.get(peer)
-            if vv is None and isinstance(record.get("vv"), dict):
+            raw = record.get("vv")
+            if vv is None and isinstance(raw, dict):
                 try:
-                    vv = VersionVector.from_dict(record["vv"])
+                    vv = VersionVector.from_dict(raw)
                 except (TypeError, ValueError):
                     vv = None
             if vv is not None:
@@ -184,8 +185,9 @@ class Resync:
 
     async def _resync(self, donors: list[str], stuck: Stuck) -> Record:
         """On the loop: fetch, check, load, offer again what we hold beyond it."""
-        network = self.network
-        theta, vv, donor = await fetch_snapshot(network.node, network.run_id, network.spec_hash, donors,
+        network, node = self.network, self.network.node
+        assert node is not None  # a running peer: its node started before training
+        theta, vv, donor = await fetch_snapshot(node, network.run_id, network.spec_hash, donors,
                                                 self.learner.numel, network.config.statesync, guard=network.guard)
         summary = await asyncio.to_thread(self._load, theta, vv, donor, stuck)
         summary["donor"] = donor

@@ -3,6 +3,7 @@ asks for them and has the package installed. Never required: a missing package i
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -54,7 +55,7 @@ class TensorBoardSink:
 class WandbSink:
     def __init__(self, project: str, peer_id: str, spec: RunSpec) -> None:
         try:
-            import wandb
+            wandb = importlib.import_module("wandb")  # optional: only with --logging.wandb_project
         except ImportError:
             raise ConfigError("--logging.wandb_project needs the wandb package; pip install wandb") from None
         self.wandb = wandb

@@ -18,7 +18,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "eval")
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 HASH_CHUNK_BYTES = 1 << 24
 
 

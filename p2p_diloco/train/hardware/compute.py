@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -87,7 +88,8 @@ class Compute:
 
     def compiled(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the inner steps call: compiled with --compile (it shares the parameters), else itself."""
-        return torch.compile(model) if self.compile else model
+        # For a module torch.compile returns an OptimizedModule (an nn.Module); its stubs only say Callable.
+        return cast(torch.nn.Module, torch.compile(model)) if self.compile else model
 
     def chunks(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         size = self.micro_batch or x.shape[0]

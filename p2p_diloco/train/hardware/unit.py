@@ -68,6 +68,9 @@ class SoloUnit:
     def check_batch(self, batch_size: int) -> None:
         pass
 
+    def agree(self, value: str, what: str) -> None:
+        """One process always agrees with itself."""
+
     def lead_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                   lr: float, *, params_changed: bool, optimizer_changed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return x, y
@@ -192,13 +195,16 @@ class RankGroup(SoloUnit):
             if self.rank:
                 load_flat_params(module, flat)
         if opt:
-            state = [optimizer.state_dict() if self.rank == 0 else None]
-            if self.rank == 0:  # tensors to the CPU: a pickled CUDA tensor would land on rank 0's device
-                state[0]["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                                     for i, s in state[0]["state"].items()}
+            own = optimizer.state_dict() if self.rank == 0 else None
+            if own is not None:  # rank 0: tensors to the CPU: a pickled CUDA tensor would land on rank 0's device
+                own["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                                for i, s in own["state"].items()}
+            state = [own]
             dist.broadcast_object_list(state, 0)
             if self.rank:
-                optimizer.load_state_dict(state[0])
+                received = state[0]
+                assert received is not None  # broadcast_object_list filled it with rank 0's
+                optimizer.load_state_dict(received)
 
 
 def follow(spec, unit: RankGroup, compute, device: str) -> int:

@@ -9,14 +9,19 @@ vector to diff, average and load back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 
 from p2p_diloco.config import ModelConfig
 from p2p_diloco.train.models.gpt import GPT
 
+if TYPE_CHECKING:  # transformers is imported only when a run asks for an HF model
+    from p2p_diloco.train.models.hf import HFCausalLM
 
-def build_model(config: ModelConfig, seed: int) -> nn.Module:
+
+def build_model(config: ModelConfig, seed: int) -> GPT | HFCausalLM:
     """The run's initial model: bit-identical parameters for equal (config, seed), on CPU. The built-in GPT for
     arch "gpt"; a Hugging Face causal LM behind the same interface otherwise (train/models/hf.py).
 

@@ -9,6 +9,7 @@ it is given, in a fixed order, so one seed gives bit-identical parameters (train
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -67,8 +68,9 @@ class GPT(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
+        wte = nn.Embedding(config.vocab_size, config.n_embd)  # built first, as before: same RNG draw order
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wte=wte,
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
@@ -76,7 +78,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf, 2017): one matrix both embeds bytes and scores them.
-        self.lm_head.weight = self.transformer.wte.weight
+        self.lm_head.weight = wte.weight
         self.checkpointing = False
         self.init_weights(generator)
 
@@ -108,11 +110,12 @@ class GPT(nn.Module):
                 "crop the input or build the model with a larger block_size"
             )
         pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        trunk = self.transformer  # ModuleDict items are typed `Module`: index them, name the list's type
+        x = trunk["drop"](trunk["wte"](idx) + trunk["wpe"](pos))
+        for block in cast(nn.ModuleList, trunk["h"]):
             # Activation checkpointing: keep only each block's input, recompute the rest in backward.
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = self.lm_head(trunk["ln_f"](x))
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T), ignore_index=-1)

@@ -135,7 +135,7 @@ def build_hf_model(cfg: ModelConfig, seed: int) -> HFCausalLM:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        n_layer = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
+        n_layer: int = getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 1)  # 0 if absent (as None)
         init_weights(hf, torch.Generator().manual_seed(seed), n_layer, getattr(config, "initializer_range", 0.02))
     hf.train()
     return HFCausalLM(hf, cfg.block_size)

@@ -180,7 +180,7 @@ class CheckpointStore:
                 raise CheckpointError(f"{name} sha256 mismatch (corrupt)")
         return body
 
-    def load_newest(self, accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:
+    def load_newest(self, accept: Callable[[Checkpoint], object] | None = None) -> Checkpoint | None:
         """The newest checkpoint that verifies and that `accept` does not reject (it raises to reject, e.g.
         another run's), or None. Each one passed over is logged and listed in `skipped` with its reason."""
         self.skipped = []
