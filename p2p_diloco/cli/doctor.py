@@ -3,7 +3,7 @@
 Prints one line per step as it goes (addresses, TCP connects, the node, dial-backs, reachability, upload rate,
 the run's spec), then one line per problem with its fix, then the verdict. Exit code 0 only when a `join` from
 here would work (some bootstrap reachable, this host public or relayed), 1 when it would not, 2 for a mistake
-in the options. The checks themselves live in net/discovery/doctor.py, where `join` can run them too.
+in the options. The checks themselves live in net/discovery/ (doctor.py, bootstraps.py), where `join` can run them too.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def donor_rank(record: Mapping[str, object]) -> tuple[int, float]:
 
 
 async def start_node(identity_path: str, config: NodeConfig, validators: Sequence[PeerRecordValidator]) -> SwarmNode:
-    """SwarmNode.start; when it fails, the doctor's first checks (net/discovery/doctor.py: each bootstrap's
+    """SwarmNode.start; when it fails, the doctor's first checks (net/discovery/bootstraps.py: each bootstrap's
     address and a timed TCP connect) add one line per problem with its fix, as `p2p-diloco doctor` prints them."""
     try:
         return await SwarmNode.start(identity_path, config, record_validators=validators)

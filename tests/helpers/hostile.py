@@ -278,8 +278,9 @@ class HostilePeer:
         await self.snapshot_server.start()
 
     async def advertise(self, version_vector_total: int, state: str = "training") -> bool:
-        """Our own, valid record, claiming the freshest replica of the run (joiners try us first)."""
-        record = {"maddrs": self.node.visible_maddrs(), "state": state,
+        """Our own, valid record, claiming a public address and the freshest replica of the run, so that joiners
+        try us first (donors rank by reachability, then freshness: peer/reach.py donor_rank)."""
+        record = {"maddrs": self.node.visible_maddrs(), "state": state, "reach": "public",
                   "version_vector_total": version_vector_total, "seq": 0, "vv_digest": "0" * 16}
         return await announce_peer(self.node, self.spec.run_id, record, self.identity, ttl_s=300, timeout_s=10)
 
