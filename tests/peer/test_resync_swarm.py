@@ -46,7 +46,7 @@ def test_a_frozen_peer_that_pulls_cannot_catch_up_resyncs_and_replicas_agree(tmp
         for proc in everyone:
             assert proc.wait(180) == 0, proc.tail()
 
-        assert resync["why"] in ("gap beyond max_hole_span", "buffer full"), resync
+        assert resync["why"] in ("gap beyond max_hole_span", "buffer full", "no progress"), resync  # peer/lag.py
         assert resync["donor"] in {of(incarnations(p)[0], "start")[0]["peer_id"] for p in others}, resync
         assert resync["lost_own"] == 0 and resync["resyncs"] == 1, resync
         assert "cannot catch up by pulls (behind by" in victim.output()
