@@ -66,7 +66,6 @@ class PeerServices:
     server: SnapshotServer
 
 
-
 def proven_among(replica: Replica, others: list[str]) -> list[str]:
     """Of `others`, the members whose own updates merged here in good standing within PROVEN_WINDOW_S
     (sync/standing.py): the only votes repair counts. A DHT record costs nothing to write; a contribution does."""
