@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(
 )
 
 
-def run_in_pty(frames: int, interval_s: float, until=None, timeout_s: float = 15.0) -> tuple[int, bytes]:
+def run_in_pty(frames: int, interval_s: float, until=None, timeout_s: float = 60.0) -> tuple[int, bytes]:
     """Run CHILD on a pseudo-terminal; `until(output, proc)` may act (send Ctrl-C) once. Returns (rc, output)."""
     master, slave = pty.openpty()
     env = dict(os.environ, TERM="xterm-256color", PYTHONPATH=str(ROOT), COLUMNS="160", LINES="50")
@@ -78,16 +78,19 @@ def test_watch_under_a_pseudo_terminal_draws_frames_and_restores_the_cursor():
 
 
 def test_ctrl_c_under_a_pseudo_terminal_exits_0_and_keeps_the_frame():
+    sent: list[float] = []
+
     def ctrl_c_after_the_first_frame(out: bytes, proc) -> bool:
         if b"frame0" in out:
             proc.send_signal(signal.SIGINT)  # the child now waits 30 s for the next frame
+            sent.append(time.monotonic())
             return True
         return False
 
-    started = time.monotonic()
     rc, out = run_in_pty(frames=0, interval_s=30, until=ctrl_c_after_the_first_frame)
     assert rc == 0, out
-    assert time.monotonic() - started < 15 and b"frame1" not in out
+    # Ctrl-C ends the wait for the next frame at once (the child's start-up is not timed: a loaded machine)
+    assert sent and time.monotonic() - sent[0] < 15 and b"frame1" not in out
     assert b"Traceback" not in out and b"KeyboardInterrupt" not in out
     assert out.count(b"frame0") >= 2  # drawn live, then drawn once more for good when Live stopped
     assert out.rstrip(b"\r\n").endswith(b"\x1b[?25h"), out[-200:]
