@@ -136,7 +136,8 @@ class Peer:
         corpus = load_training_data(self.spec.data, block_size=self.spec.model.block_size)
         compute = Compute.for_training(cfg, self.device)
         learner = self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
-                                         device=self.device, compute=compute, unit=RankGroup.from_env(self.device))
+                                         device=self.device, compute=compute, unit=RankGroup.from_env(self.device),
+                                         stream=identity.peer_id)  # peers that drew one shard: other batches
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,
                                      batch_size=self.spec.data.batch_size, num_batches=cfg.eval_batches)
         self.samples_per_update = self.spec.inner.inner_steps * self.spec.data.batch_size

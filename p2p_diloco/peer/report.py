@@ -168,7 +168,8 @@ class PeerReport(Hooks):
         if out_dir:
             theta_path, vv_path = save_state(out_dir, theta, vv,
                                              {"peer_id": learner.peer_id, "spec_hash": self.spec.spec_hash(),
-                                              "round": at_round, "step": learner.step})
+                                              "round": at_round, "step": learner.step,
+                                              "reduced_weights": learner.replica.reduced_weights()})
             final.update(theta_path=str(theta_path), vv_path=str(vv_path))
             self.out(f"wrote {theta_path} and {vv_path}")
         self.out(f"final: rounds {at_round}  eval {eval_loss:.3f}  V {vv.total()}  "

@@ -35,6 +35,10 @@ class MergedIds:
             return None
         return kept
 
+    def reduced(self) -> dict[str, dict[int, float]]:
+        """Every kept (sender, seq) that merged at less than its full weight, with its multiplier (a copy)."""
+        return {sender: dict(seqs) for sender, seqs in self._multipliers.items() if seqs}
+
     def record(self, sender: str, seq: int, update_id: bytes, multiplier: float = 1.0) -> None:
         ids = self._ids.setdefault(sender, {})
         ids[seq] = update_id

@@ -191,6 +191,12 @@ class Replica:
         with self.lock:
             return self._slots.merged.multiplier(sender, seq)
 
+    def reduced_weights(self) -> dict[str, dict[int, float]]:
+        """The kept merged updates that hold less than their full weight here (probation, copies, ties): two
+        replicas with one version vector and different theta differ here."""
+        with self.lock:
+            return self._slots.merged.reduced()
+
     @delivers_bans
     def offer(self, update: UpdateLike, *, check: LayoutCheck | None = None, now_s: float | None = None,
               decoded: Tensor | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:

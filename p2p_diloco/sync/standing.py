@@ -103,7 +103,10 @@ class Standing:
             return Verdict(0.0, "distrusted")
         if self.reference.vector is None and self.authors.unvetted(sender) and base >= 1.0:
             return Verdict(0.0, "unvetted")  # a joiner before its first update: its donor's authors, newcomers
-        copied = self._copy_test(sender, seq, delta, now) if sender != self.self_id and self.copy_cosine > 0 else ""
+        # Our own updates too: the verdict on a pair must not depend on whose replica judges it (two honest peers
+        # that trained on the same batches from one theta publish one payload; if each skipped its own, each
+        # would keep its own at weight and tie the other's, and the replicas would differ).
+        copied = self._copy_test(sender, seq, delta, now) if self.copy_cosine > 0 else ""
         if copied in REFUSALS:
             return Verdict(0.0, copied)
         if sender == self.self_id or self.reference.vector is None:

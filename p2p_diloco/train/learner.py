@@ -64,7 +64,8 @@ def swarm_rounds(vv: VersionVector) -> float:
     return sum(c * c for c in counts) / total if total else 0.0
 
 
-def make_sampler(corpus: Corpus | Any, spec: RunSpec, peer_id: str, *, shard: int, num_shards: int):
+def make_sampler(corpus: Corpus | Any, spec: RunSpec, peer_id: str, *, shard: int, num_shards: int,
+                 stream: str = ""):
     """The unit's data stream: a byte corpus is cut into `num_shards` shards (train/data/corpus.py); a token
     dataset is read window by window in this unit's own shuffle per epoch, keyed by the PeerID
     (train/data/tokens.py WalkSampler)."""
@@ -74,7 +75,7 @@ def make_sampler(corpus: Corpus | Any, spec: RunSpec, peer_id: str, *, shard: in
         return WalkSampler(corpus.train, peer_id=peer_id, block_size=spec.model.block_size,
                            batch_size=spec.data.batch_size, seed=spec.seed, inner_steps=spec.inner.inner_steps)
     return ShardSampler(corpus.train, shard=shard, num_shards=num_shards, block_size=spec.model.block_size,
-                        batch_size=spec.data.batch_size, seed=spec.seed)
+                        batch_size=spec.data.batch_size, seed=spec.seed, stream=stream)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class Learner:
 
     def __init__(self, spec: RunSpec, identity: Identity, corpus: Corpus | Any, *, shard: int, num_shards: int,
                  replica_state: tuple[torch.Tensor, VersionVector] | None = None, device: str = "cpu",
-                 compute: Compute | None = None, unit: SoloUnit | None = None):
+                 compute: Compute | None = None, unit: SoloUnit | None = None, stream: str = ""):
         self.spec = spec.validate()
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -145,7 +146,7 @@ class Learner:
         self.spec_hash = spec.spec_hash()
         self.optimizer = make_inner_optimizer(self.model, spec.inner)  # after the move: AdamW state on the device
         self.outer_state = OuterState.zeros(self.numel)
-        self.sampler = make_sampler(corpus, spec, self.peer_id, shard=shard, num_shards=num_shards)
+        self.sampler = make_sampler(corpus, spec, self.peer_id, shard=shard, num_shards=num_shards, stream=stream)
         self.step = 0  # cumulative inner steps: the schedule's clock and the data position
         self.last_seq = 0  # the highest seq this identity has signed (in this run, across restarts)
         self.round_weight = 0.0  # one round's share of the swarm's samples in our last update: `may_stretch`

@@ -319,3 +319,30 @@ def test_copies_merge_at_zero_on_every_replica_whatever_the_order(rng) -> None:
     for u in setup + honest[:2]:
         expected -= OUTER_LR * probation_multiplier(u.seq, 0.25) * torch.tensor(u.payload).double()
     torch.testing.assert_close(a.theta, expected.float(), rtol=0, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_twin_updates_weigh_the_same_on_their_authors_replicas_as_on_any_other(rng) -> None:
+    """Two honest peers that trained on the same batches from one theta publish one payload (twins). Each
+    author's replica may get the other's twin before it merges its own, and a third replica gets them in any
+    order. The author's own update is vetted like any other, so all three end equal (before, an author that
+    got the twin first kept both at weight while the other tied both: replicas apart)."""
+    g = torch.Generator().manual_seed(3)
+    twin = (torch.ones(DIM) + 0.3 * torch.randn(DIM, generator=g)).tolist()
+    other = (torch.ones(DIM) + 0.3 * torch.randn(DIM, generator=g)).tolist()
+    mine, theirs, third = make("me", 1, 1.0, payload=twin), make("a", 1, 1.0, payload=twin), make("c", 1, 1.0,
+                                                                                                  payload=other)
+    everything = {(u.sender, u.seq): u for u in (mine, theirs, third)}
+    replicas = []
+    for self_id in ("me", "a", "c"):
+        order = rng.sample([mine, theirs, third], 3)
+        r = replica_with_standing(copy_cosine=0.9999, min_agreement=-1.0, max_norm_ratio=0.0, self_id=self_id)
+        for u in order:
+            r.offer(u)
+            _take_back_found(r, everything)
+        replicas.append(r)
+    for r in replicas[1:]:
+        assert r.version_vector == replicas[0].version_vector
+        torch.testing.assert_close(r.theta, replicas[0].theta, rtol=0, atol=1e-6)
+    assert all(r.merged_weight("me", 1) == 0.0 == r.merged_weight("a", 1) for r in replicas)  # a tie everywhere

@@ -182,3 +182,17 @@ def test_too_small_corpus(tmp_path: Path) -> None:
         _sampler(corpus.train, block_size=BLOCK)
     with pytest.raises(DataError, match="eval split"):
         eval_batches(corpus, block_size=BLOCK, batch_size=2, num_batches=1)
+
+
+def test_peers_on_one_shard_draw_other_batches_when_salted_by_their_ids() -> None:
+    """Two peers whose ids hash to one shard must not train on the same batches (from one theta they would
+    publish one update, which vetting takes for a copy); an empty stream keeps the simulator's batches."""
+    data = torch.arange(10_000, dtype=torch.int64).to(torch.uint8)
+    make = lambda stream: ShardSampler(data, shard=1, num_shards=4, block_size=16, batch_size=4, seed=0,  # noqa: E731
+                                       stream=stream)
+    a, b, plain = make("peer-a"), make("peer-b"), make("")
+    assert not torch.equal(a.batch(3)[0], b.batch(3)[0])
+    assert torch.equal(a.batch(3)[0], make("peer-a").batch(3)[0])  # still a pure function of the step
+    assert torch.equal(plain.batch(3)[0], ShardSampler(data, shard=1, num_shards=4, block_size=16, batch_size=4,
+                                                       seed=0).batch(3)[0])
+    assert a.position(0)["stream"] == "peer-a" and "stream" not in plain.position(0)

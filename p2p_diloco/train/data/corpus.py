@@ -2,7 +2,7 @@
 
 Every peer of a run loads the same corpus (the `fingerprint` lets them check) and takes shard k of N, a
 contiguous, disjoint slice of the training bytes. `ShardSampler.batch(step)` depends only on
-(seed, shard, step), so a peer's position in its data is its step counter: restoring a checkpoint restores
+(seed, shard, stream, step), so a peer's position in its data is its step counter: restoring a checkpoint restores
 the data stream with no sampler state to save. The eval split is chosen per file by a hash of the file's
 relative path, so it is the same on every machine and no training file leaks into eval.
 """
@@ -198,7 +198,7 @@ def _to_tensor(data: bytes) -> torch.Tensor:
 
 # ---- sampling -----------------------------------------------------------------------------------------
 
-def _seed_from(*parts: int) -> int:
+def _seed_from(*parts: int | str) -> int:
     # A hash, not seed + step: nearby (seed, shard, step) triples must give unrelated streams.
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
@@ -213,7 +213,11 @@ class ShardSampler:
     """Random windows from shard `shard` of `num_shards` contiguous, disjoint slices of `data`."""
 
     def __init__(self, data: torch.Tensor, *, shard: int, num_shards: int, block_size: int, batch_size: int,
-                 seed: int) -> None:
+                 seed: int, stream: str = "") -> None:
+        """`stream`: salts the batches. A real peer passes its PeerID: two peers that drew one shard (a 1 in
+        `num_shards` chance per pair) would otherwise train on the same batches and, from one theta, publish
+        the same update, which vetting takes for a copy (sync/copies.py). The simulator leaves it empty, so its
+        runs repeat exactly whatever its random identities."""
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
         if not 0 <= shard < num_shards:
@@ -231,13 +235,14 @@ class ShardSampler:
                 f"(data.max_corpus_mb) or a smaller block_size"
             )
         self.shard, self.num_shards = shard, num_shards
-        self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
+        self.block_size, self.batch_size, self.seed, self.stream = block_size, batch_size, seed, stream
 
     def position(self, step: int) -> dict[str, int]:
         """The data position after `step` inner steps, for a checkpoint: the step is the whole position (batches
         are a pure function of it), the rest says which stream it is a position in."""
         return {"step": int(step), "shard": self.shard, "num_shards": self.num_shards, "seed": self.seed,
-                "block_size": self.block_size, "batch_size": self.batch_size, "shard_bytes": self.data.numel()}
+                "block_size": self.block_size, "batch_size": self.batch_size, "shard_bytes": self.data.numel(),
+                **({"stream": self.stream} if self.stream else {})}
 
     def resume_step(self, position: dict) -> int:
         """The step to resume at from a checkpointed `position`. A position in another stream (another shard,
@@ -246,8 +251,9 @@ class ShardSampler:
         return resume_step(position, self.position(0))
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) LongTensors [batch_size, block_size] on CPU, a pure function of (seed, shard, step)."""
-        g = torch.Generator().manual_seed(_seed_from(self.seed, self.shard, step))
+        """(x, y) LongTensors [batch_size, block_size] on CPU, a pure function of (seed, shard, stream, step)."""
+        parts = (self.seed, self.shard, self.stream, step) if self.stream else (self.seed, self.shard, step)
+        g = torch.Generator().manual_seed(_seed_from(*parts))
         starts = torch.randint(self.data.numel() - self.block_size, (self.batch_size,), generator=g)
         return _windows(self.data, starts, self.block_size)
 
