@@ -248,10 +248,9 @@ def test_replicas_agree_and_nothing_merged_twice(story: Story) -> None:
     assert_replicas_agree(survivors, published_counts(survivors))
 
 
-@pytest.mark.xfail(strict=False, reason="a known false positive of vetting, left for the open-runs work: on a loaded "
-                   "2-core machine an honest update was judged a copy of another honest author's (|cos| >= 0.9999 "
-                   "on the sampled coordinates) in 1 of 3 runs; replicas still agree (the test above)")
 def test_vetting_refuses_no_honest_work(story: Story) -> None:
+    # Once 1 run in 3 failed here: two peers whose ids hash to one data shard (with 4 peers and 16 shards, about
+    # 1 run in 3) trained on the same batches and published one payload, a tie. Batches are salted by PeerID now.
     for proc in _survivors(story):
         assert set(proc.events("final")[-1]["vetting"]) <= {"probation"}, proc.name
 
