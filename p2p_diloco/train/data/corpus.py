@@ -237,7 +237,7 @@ class ShardSampler:
         self.shard, self.num_shards = shard, num_shards
         self.block_size, self.batch_size, self.seed, self.stream = block_size, batch_size, seed, stream
 
-    def position(self, step: int) -> dict[str, int]:
+    def position(self, step: int) -> dict[str, int | str]:
         """The data position after `step` inner steps, for a checkpoint: the step is the whole position (batches
         are a pure function of it), the rest says which stream it is a position in."""
         return {"step": int(step), "shard": self.shard, "num_shards": self.num_shards, "seed": self.seed,
