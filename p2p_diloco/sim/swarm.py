@@ -202,7 +202,10 @@ class AsyncSwarm:
         """Each live peer pulls from one random live peer what that peer holds and it lacks."""
         alive = self._alive()
         for peer in alive:
-            others = [p for p in alive if p is not peer]
+            # Never from a peer it banned as an author (the real puller's rule, net/gossip/pulls.py): a hostile
+            # peer re-offers its banned updates at every tick, and the swarm would never go quiet.
+            banned = peer.learner.replica.banned
+            others = [p for p in alive if p is not peer and p.learner.peer_id not in banned]
             if not others:
                 continue
             donor = self.rng.choice(others)

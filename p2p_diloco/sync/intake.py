@@ -3,6 +3,7 @@
     1. size limit                             decode_update ("oversize")
     2. envelope format version                decode_update ("malformed", "format_version", "bad_header")
     3. run id and spec hash                   decode_update ("wrong_run", "wrong_spec")
+   3b. a sender we banned                     wire `claimed_sender`, before the signature ("rejected_banned")
     4. sender's PeerID and signature          decode_update ("bad_header" for a PeerID that is no Ed25519 key,
                                               "bad_signature")
     5. payload digest                         decode_update ("bad_digest"); then the sender against the
@@ -15,6 +16,10 @@
    10. norm bound                             MergePolicy.screen ("norm_bound")
    11. merge                                  Replica (theta must stay finite: "rejected_nonfinite")
 
+A banned sender's update costs its header: the sender its header names is read without checking the signature
+or hashing the payload, and refused if banned (a flood of a banned crowd's updates, which honest relays that
+have not banned it yet keep serving, must not cost a digest and a signature each). The name is unauthenticated:
+a forger who names a banned sender only gets its own message dropped, as any rejection would.
 Nothing is decompressed before the signature and digest have been checked, and the payload's exact size is
 known from the RunSpec before any tensor is built (the allow list is checked once the signature has made
 the sender field mean something). A message failing two checks is rejected by the earlier one
@@ -46,7 +51,7 @@ from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.types import Conflict, MergeOutcome, UpdateLike
 from p2p_diloco.wire.codecs import Codec, get_codec
-from p2p_diloco.wire.envelope import OuterUpdate, WireError, decode_update
+from p2p_diloco.wire.envelope import OuterUpdate, WireError, claimed_sender, decode_update
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +98,12 @@ class Intake:
 
     def receive(self, data: bytes, *, source: str = "?") -> tuple[str, OuterUpdate | None]:
         """Check and merge one encoded update; returns (outcome or rejection reason, the update if decoded)."""
+        if len(data) <= self.max_bytes and self.replica.banned:
+            claimed = claimed_sender(data, self.spec.run_id, self.spec_hash)  # unauthenticated: see above
+            if claimed is not None and claimed in self.replica.banned:
+                with self._lock:
+                    self.counts[MergeOutcome.REJECTED_BANNED.value] += 1
+                return MergeOutcome.REJECTED_BANNED.value, None
         try:
             update = decode_update(data, max_bytes=self.max_bytes, run_id=self.spec.run_id,
                                    spec_hash=self.spec_hash)

@@ -243,6 +243,32 @@ def decode_update(data: bytes, *, max_bytes: int, run_id: str | None = None,
     return OuterUpdate(header=header, header_bytes=header_bytes, signature=signature, payload=payload)
 
 
+def claimed_sender(data: bytes, run_id: str, spec_hash: str) -> str | None:
+    """The sender an envelope's header names for this run, UNAUTHENTICATED: read without verifying the signature
+    or hashing the payload (which is skipped, not parsed), so that a receiver can drop a banned sender's flood
+    for the price of its header; None if it cannot be read that way (`decode_update` then says why)."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(1, len(data)), strict_map_key=True,
+                                    max_ext_len=0)
+        unpacker.feed(data)
+        for _ in range(min(unpacker.read_map_header(), 4)):
+            if unpacker.unpack() != "h":
+                unpacker.skip()
+                continue
+            header = unpacker.unpack()
+            if not isinstance(header, bytes) or len(header) > MAX_HEADER_BYTES:
+                return None
+            fields = msgpack.unpackb(header, raw=False, max_bin_len=64, max_str_len=256, max_array_len=16,
+                                     max_map_len=0, max_ext_len=0)
+            if isinstance(fields, list) and len(fields) > 2 and fields[:2] == [run_id, spec_hash] \
+                    and isinstance(fields[2], str):
+                return fields[2]
+            return None
+    except Exception:  # untrusted bytes: anything the parser raises means "not this way"
+        return None
+    return None
+
+
 def _unpack(data: bytes, reason: str, **limits: int) -> Any:
     try:
         # Limits stop a small message from declaring huge containers; max_ext_len=0 refuses extension types.

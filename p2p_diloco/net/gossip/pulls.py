@@ -3,9 +3,9 @@ time per remote, and every update a pull brings through the intake.
 
 `Puller` keeps the wishes and backoffs in `PullSlots` (net/gossip/slots.py: who gets a slot, by track record),
 runs at most `max_concurrent_pulls` pulls, asks each remote only beyond what the pulls started before it will
-bring (`claims`), remembers remotes whose last pull brought nothing (`dry`), and ends a pull at the first
-update no honest peer sends. `Gossip` owns it and starts it; the gossip's parts share one `stats` dict and one
-`FailureLog`.
+bring (`claims`), remembers remotes whose last pull brought nothing (`dry`), pulls from no peer it banned as
+an author, and ends a pull at the first update no honest peer sends. `Gossip` owns it and starts it; the
+gossip's parts share one `stats` dict and one `FailureLog`.
 
 Track record (ARCHITECTURE.md "The network", open runs), in the guard's ledger (net/admission/ledger.py; a
 Puller without a guard keeps its own): a pull that brought updates records `gave` against its remote for each
@@ -285,7 +285,12 @@ class Puller:
         return vector
 
     def _may_pull(self, peer: str) -> bool:
-        why = self.guard.may_pull_from(peer) if self.guard is not None else None
+        # A peer we banned as an author would serve us its own refused updates first (it keeps them) at every
+        # anti-entropy tick: no pull slot; what else it could relay reaches us from others.
+        if peer in self.intake.replica.banned:
+            why: str | None = "banned_author"
+        else:
+            why = self.guard.may_pull_from(peer) if self.guard is not None else None
         if why:
             self.stats["pulls_skipped"] += 1
             self.failures.count(peer, why)

@@ -8,7 +8,10 @@ A pull response starts with what the requester's "ids" digests show it merged ot
 equivocation split between us), then what our store holds beyond its vector; never an update of a banned
 sender. It is refused as "busy" over `max_serves()` responses at once, and ends early, a short batch, when the
 caller's uplink share is spent (asked again before each update after the first). What we serve is recorded in
-the guard's ledger: an update we sent the same remote before counts against its fair share once more.
+the guard's ledger: an update we sent the same remote before counts against its fair share once more. An update
+served to the same remote twice within the window is not served to it again (`ServedLog`, served.py: a remote
+looping pulls with an empty vector gets each update twice, then only what is new), unless its vector fell below
+the last one it sent us (it lost them: a restart), at most once per window.
 
 Runs on the gossip's loop; read-only on the store.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container
 from typing import cast
 
 from p2p_diloco.net.admission.guard import PeerGuard
@@ -25,6 +28,7 @@ from p2p_diloco.net.gossip.digests import differing_windows
 from p2p_diloco.net.gossip.known import KnownVectors
 from p2p_diloco.net.gossip.messages import MAX_VECTOR_BYTES, GossipConfig, Request, parse_request
 from p2p_diloco.net.gossip.pulls import FailureLog, Puller, lacks, min_bytes_per_s
+from p2p_diloco.net.gossip.served import ServedLog
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
@@ -45,15 +49,19 @@ class GossipServer:
     def __init__(self, node: SwarmNode, names: tuple[str, str], intake: Intake, store: UpdateStore,
                  config: GossipConfig, *, guard: PeerGuard | None, known: KnownVectors, puller: Puller,
                  max_serves: Callable[[], int], stats: dict[str, int], failures: FailureLog,
-                 on_vector: Callable[[str, VersionVector], None] | None) -> None:
+                 on_vector: Callable[[str, VersionVector], None] | None, served: ServedLog | None = None) -> None:
         """`names`: the announce and pull RPCs' names; `max_serves()` is the number of pull responses we may
-        send at once now (it follows the uplink)."""
+        send at once now (it follows the uplink); `served`: what we served each remote lately (a `ServedLog()`
+        by default; `ServedLog(window_s=0)` re-serves everything, as before the rule)."""
         self.node, self.intake, self.store, self.config, self.guard = node, intake, store, config, guard
         self.known, self.puller, self.max_serves = known, puller, max_serves
         self.stats, self.failures, self.on_vector = stats, failures, on_vector
         self.announce_name, self.pull_name = names
         self.rpc_stats: dict[str, rpc.RpcStats] = {}
         self._serving = 0  # pull responses being sent now
+        self.served = served if served is not None else ServedLog()
+        for key in ("serves_repeated_skipped", "serves_reset"):
+            stats.setdefault(key, 0)
 
     async def serve(self) -> None:
         """Register both handlers on the node (neither, if the second fails)."""
@@ -95,14 +103,49 @@ class GossipServer:
         remote, limit = parsed.vv, min(parsed.limit, self.config.pull_max_updates)
         self._heard(caller, remote)  # the requester may hold what we lack: pull back
         banned = self.intake.replica.banned  # never spread what we refuse ourselves
-        others = self._other_versions(parsed.ids, remote, limit)
-        missing = self.store.missing_for(remote, limit - len(others))
+        others = [u for u in self._other_versions(parsed.ids, remote, limit) if u.sender not in banned]
+        fresh = self._fresh(caller, others)
+        missing, repeats = self._missing(caller, remote, limit - len(fresh), banned)
+        self._skipped(caller, len(others) - len(fresh) + repeats)
         # The gossip's store holds wire envelopes only: ours (publish) and those the intake decoded (pulls).
-        served = [cast(OuterUpdate, u) for u in [*others, *missing] if u.sender not in banned]
-        return self._encoded(served, caller)
+        return self._encoded([cast(OuterUpdate, u) for u in [*fresh, *missing]], caller)
+
+    def _fresh(self, caller: str, updates: list[UpdateLike]) -> list[UpdateLike]:
+        """`updates` less those `caller` had from us twice within the window."""
+        return [u for u in updates if self.served.allowed(caller, u.sender, u.seq)]
+
+    def _skipped(self, caller: str, repeats: int) -> None:
+        if repeats:
+            self.stats["serves_repeated_skipped"] += repeats
+            self.served.skip(caller, repeats)
+
+    def _missing(self, caller: str, remote: VersionVector, limit: int,
+                 banned: Container[str]) -> tuple[list[UpdateLike], int]:
+        """Up to `limit` updates `remote` lacks that we may serve it, and how many repeats were skipped: the
+        batch goes on past the repeats, so a peer with a gap (or a looping puller) still gets what is new. Asks
+        the store for 4x more each time, at most its whole content (the store is bounded)."""
+        want = limit
+        while limit > 0:
+            held = self.store.missing_for(remote, want)
+            out: list[UpdateLike] = []
+            repeats = 0
+            for update in (u for u in held if u.sender not in banned):
+                if len(out) == limit:
+                    break
+                if self.served.allowed(caller, update.sender, update.seq):
+                    out.append(update)
+                else:
+                    repeats += 1
+            if len(out) == limit or len(held) < want:
+                return out, repeats
+            want *= 4
+        return [], 0
 
     def _heard(self, peer: str, remote: VersionVector) -> None:
         """`peer` holds `remote`: schedule a pull if it has anything our replica lacks; show it to `on_vector`."""
+        before = self.known.get(peer)
+        if before is not None and not remote.dominates(before) and self.served.lost(peer):
+            self.stats["serves_reset"] += 1  # it holds less than it told us: it lost what we served it
         self.known.record(peer, remote)
         member = self.guard is None or self.guard.is_member(peer)
         if not (self.puller.running and member and peer != self.node.peer_id):
@@ -148,6 +191,7 @@ class GossipServer:
                 if self.guard is not None and self.guard.ledger.served_update(caller, update.sender, update.seq,
                                                                               len(data)):
                     self.guard.uplink.served_again(caller, len(data))  # it had it from us: counts again
+                self.served.record(caller, update.sender, update.seq)
                 yield data
         finally:
             self._serving -= 1
