@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     from p2p_diloco.cli.export import add_export_commands  # export, generate: a folder transformers loads
 
     add_export_commands(sub)
+    from p2p_diloco.cli.invite import add_invite_commands  # invite, revoke: runs that admit by invitation
+
+    add_invite_commands(sub)
     return parser
 
 

@@ -64,6 +64,7 @@ def join_config(args: argparse.Namespace) -> JoinConfig:
 
     config = load_config(JoinConfig(spec=preset(args.preset)), args, "join")
     config = dataclasses.replace(config, spec=with_allow_list(config.spec, config.admission.access.allow_peers))
+    config = dataclasses.replace(config, spec=with_operators(config.spec, config.admission.access))
     config.validate()
     config.admission.access.secret()
     return config
@@ -200,6 +201,27 @@ def with_allow_list(spec: Any, path: str) -> Any:
     if given and given != peers:
         raise ConfigError(f"--allow-peers {path} and --allowed-senders name different peers; give one of them")
     return dataclasses.replace(spec, defence=dataclasses.replace(spec.defence, allowed_senders=peers)).validate()
+
+
+def with_operators(spec: Any, access: Any) -> Any:
+    """The spec with the run's operator keys as its defence.operators: those of --operators, else the signer of
+    this peer's --invite. In the spec, so a peer that trusts other keys is told so at start (a differing spec
+    field), before it asks anyone for admission."""
+    import dataclasses
+
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.net.admission.invites import load_invitation
+
+    operators = access.operator_ids()
+    if not operators and access.invite:
+        operators = (load_invitation(access.invite).operator,)
+    given = tuple(sorted(spec.defence.operators))
+    if not operators:
+        return spec
+    if given and given != operators:
+        raise ConfigError("--operators (or your invitation's signer) and --spec.defence.operators name different "
+                          "keys; give one of them")
+    return dataclasses.replace(spec, defence=dataclasses.replace(spec.defence, operators=operators)).validate()
 
 
 # ---------------------------------------------------------------------------------------------- bootstrap

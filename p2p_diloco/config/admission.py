@@ -11,6 +11,8 @@ from pathlib import Path
 from p2p_diloco.config.errors import ConfigError
 
 MAX_SECRET_BYTES = 4096
+MAX_OPERATORS = 16
+_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,36 @@ class AccessConfig:
     """A secret every member of the run knows (visible in `ps`: prefer --run-secret-file); empty: none."""
     run_secret_file: str = ""
     """File holding the run secret (its first line); members prove they know it, non-members are refused."""
+    operators: str = ""
+    """Operator keys of a run that admits by invitation: their PeerIDs, comma-separated (`p2p-diloco keygen
+    --identity operator.key` prints one). Every peer of the run gives the same (a peer with others is refused);
+    the operators' own PeerIDs and the peers they invite (`p2p-diloco invite`) take part. Empty with --invite:
+    the invitation's signer."""
+    invite: str = ""
+    """Invitation file (`p2p-diloco invite`) admitting this peer's --identity to a run with operator keys."""
 
     def validate(self) -> AccessConfig:
         if self.run_secret and self.run_secret_file:
             raise ConfigError("give the run secret once: --run-secret or --run-secret-file, not both")
+        if self.operators and self.allow_peers:
+            raise ConfigError("give --allow-peers or --operators, not both: a run with operator keys admits the "
+                              "peers they invite (invite the listed peers too: `p2p-diloco invite`)")
+        self.operator_ids()
+        if self.invite and not Path(self.invite).expanduser().is_file():  # before the node starts, not after
+            raise ConfigError(f"--invite {self.invite}: no such file (the operator makes it: `p2p-diloco invite`)")
         return self
+
+    def operator_ids(self) -> tuple[str, ...]:
+        """The operator PeerIDs of --operators, sorted and unique; ConfigError names one that is no PeerID
+        (net/admission/invites.py also decodes each key)."""
+        ids = sorted({entry.strip() for entry in self.operators.split(",") if entry.strip()})
+        for pid in ids:
+            if not (len(pid) == 52 and pid.startswith("12D3KooW") and set(pid) <= _BASE58):
+                raise ConfigError(f"--operators: '{pid[:60]}' is not an Ed25519 PeerID (12D3KooW..., 52 "
+                                  "characters); `p2p-diloco id --identity operator.key` prints an operator key's")
+        if len(ids) > MAX_OPERATORS:
+            raise ConfigError(f"--operators names {len(ids)} keys; at most {MAX_OPERATORS}")
+        return tuple(ids)
 
     def secret(self) -> bytes | None:
         """The run secret as bytes, or None for a run without one; ConfigError if the file is unusable."""
@@ -144,7 +171,7 @@ class AdmissionConfig:
     """Who may take part in the run and the per-remote limits (TOML tables [admission.access], [admission.rate])."""
 
     access: AccessConfig = field(default_factory=AccessConfig)
-    """Closed runs: the allow list and the run secret."""
+    """Closed runs: the allow list, the run secret, operator keys and this peer's invitation."""
     rate: RateLimitConfig = field(default_factory=RateLimitConfig)
     """Rate limits per remote peer."""
 

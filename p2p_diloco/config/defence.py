@@ -38,6 +38,9 @@ class DefenceConfig:
     """Largest gap (in seqs) that is skipped; a larger one waits, as it needs a state sync, not a skip."""
     allowed_senders: tuple[str, ...] = ()
     """PeerIDs allowed to contribute updates, comma-separated (a closed swarm); empty allows every peer."""
+    operators: tuple[str, ...] = ()
+    """Operator keys (PeerIDs) of a run that admits by invitation (`p2p-diloco invite`; join's --operators, or the
+    signer of its --invite, fills it): in the spec, and its hash, so every peer of the run trusts the same keys."""
     probation: float = 0.25
     """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
     a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
@@ -75,6 +78,8 @@ class DefenceConfig:
         require(self.max_hole_span >= 1, f"defence.max_hole_span must be >= 1, got {self.max_hole_span}")
         require(all(isinstance(s, str) and s for s in self.allowed_senders),
                 "defence.allowed_senders must be PeerID strings")
+        require(all(isinstance(s, str) and s for s in self.operators) and len(self.operators) <= 16,
+                "defence.operators must be at most 16 PeerID strings")
         require(0 < self.probation <= 1, f"defence.probation must be in (0, 1], got {self.probation}")
         require(-1 <= self.min_agreement < 1, f"defence.min_agreement must be in [-1, 1), got {self.min_agreement}")
         require(self.copy_cosine == 0 or 0.5 <= self.copy_cosine < 1,

@@ -115,6 +115,7 @@ class Presence:
             record["state"] = state
         if parts.proof:
             record[MEMBER_PROOF_FIELD] = parts.proof
+        record.update(guard.membership.record_fields())  # operator keys' digest, our invitation, revocations
         record.update(rejected_by=rejection_totals(parts.intake, guard),
                       offenders=guard.rejections.offenders(MAX_RECORD_OFFENDERS, max_reasons=16),
                       banned=len(parts.replica.banned), dht_rejected=dict(self.dht_rejected))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from p2p_diloco.config import GossipConfig, RunSpec, StateSyncConfig
 from p2p_diloco.net.admission.guard import PeerGuard
+from p2p_diloco.net.admission.invites import Invitations
 from p2p_diloco.net.admission.policy import NetPolicy
 from p2p_diloco.net.gossip.evidence_relay import EvidenceRelay
 from p2p_diloco.net.gossip.repair import Repair
@@ -84,8 +85,10 @@ def build_peer_services(config: ServiceConfig, up: NodeUp, learner: Learner, pre
     each record carries, `on_repaired` called with each repair's summary."""
     spec, node, cfg, replica = config.spec, up.node, config.gossip, learner.replica
     run_id, spec_hash = spec.run_id, spec.spec_hash()
+    invites = Invitations.from_access(config.policy.access, run_id, node.peer_id,  # operator keys, our invitation
+                                      operators=spec.defence.operators)
     guard = PeerGuard(run_id, self_id=node.peer_id, limits=config.policy.limits, allowed=spec.defence.allowed_senders,
-                      key=up.key, refresh_members=lambda: presence.refresh_peers(parts))
+                      key=up.key, invites=invites, refresh_members=lambda: presence.refresh_peers(parts))
     intake = Intake(spec, learner.numel, replica)  # checks, counts, evidence, the take-back of a ban
     relay = EvidenceRelay(node, run_id, intake, presence.other_peer_ids, guard, fanout=cfg.fanout,
                           timeout_s=cfg.rpc_timeout_s)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from p2p_diloco.config import ConfigError, RunSpec
 from p2p_diloco.net.admission.hello import AccessDenied
+from p2p_diloco.net.admission.invites import NO_INVITATION
 from p2p_diloco.net.admission.membership import NOT_IN_ALLOW_LIST, REFUSED_PREFIX
 from p2p_diloco.net.admission.policy import MembershipKey, NetPolicy
 from p2p_diloco.net.discovery.records import PeerRecordValidator, fetch_run_spec, publish_run_spec
@@ -40,6 +41,9 @@ def check_spec(theirs: SpecRecord | None, spec: RunSpec) -> None:
         raise SpecMismatchError(
             f"run '{spec.run_id}' on this swarm has a RunSpec this version cannot read ({e}); upgrade p2p-diloco "
             "or use another --run-id") from None
+    if [d.split(":")[0] for d in diff] == ["defence.operators"] and not spec.defence.operators:
+        # A run that admits by invitation, joined without one: say that, not "join with the swarm's values".
+        raise AccessDenied(f"{REFUSED_PREFIX}{NO_INVITATION} (run '{spec.run_id}')")
     listed = "\n  ".join(diff) or "(no field differs: the spec hashes are computed differently; upgrade p2p-diloco)"
     raise SpecMismatchError(
         f"run '{spec.run_id}' on this swarm has a different RunSpec (spec hash {spec_hash[:12]} vs ours "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
+from p2p_diloco.net.admission.invites import Invitations
 from p2p_diloco.net.admission.ledger import Ledger
 from p2p_diloco.net.admission.membership import REFUSED_PREFIX, Membership, PeerRecord
 from p2p_diloco.net.admission.policy import MembershipKey, RateLimitConfig, request_kind
@@ -45,15 +46,16 @@ class PeerGuard:
     """Access, rate limits and rejection counts for one peer (see the module docstring)."""
 
     def __init__(self, run_id: str, *, self_id: str, limits: RateLimitConfig, allowed: Iterable[str] = (),
-                 key: MembershipKey | None = None,
+                 key: MembershipKey | None = None, invites: Invitations | None = None,
                  refresh_members: Callable[[], Awaitable[object]] | None = None) -> None:
-        """`allowed`: the allow list (empty: anyone); `key`: the run secret's (None: no secret);
-        `refresh_members`: re-reads the peer records (and feeds them to `check_record`) when an unknown
-        caller shows up."""
+        """`allowed`: the allow list (empty: anyone); `key`: the run secret's (None: no secret); `invites`: the
+        operator keys' gate (None: none); `refresh_members`: re-reads the peer records (and feeds them to
+        `check_record`) when an unknown caller shows up."""
         self.run_id = run_id
         self.self_id = self_id
         self.limits = limits.validate()
-        self.membership = Membership(self_id, allowed=allowed, key=key, refresh_members=refresh_members)
+        self.membership = Membership(self_id, allowed=allowed, key=key, invites=invites,
+                                     refresh_members=refresh_members)
         self.rejections = Rejections()
         self.ledger = Ledger()
         self.uplink = Uplink(self.limits, self.ledger)

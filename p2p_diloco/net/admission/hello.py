@@ -16,16 +16,22 @@ from hivemind.p2p import P2P
 
 from p2p_diloco.net.admission.guard import PeerGuard
 from p2p_diloco.net.admission.membership import REFUSED_PREFIX
+from p2p_diloco.net.admission.policy import RECORD_NOT_SEEN
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import NodeError
 
 HELLO_ASKED = 3
 """Live peers a joiner asks for admission."""
 HELLO_OK = b"welcome"
+HELLO_TRIES = 4
+HELLO_RETRY_S = 2.0
+"""Asked again after 2, 4, 6 s while every refusal says our record was not found yet (12 s of the DHT's time
+to show a record just announced)."""
 
 
 class AccessDenied(NodeError):
-    """This peer may not take part in the run (allow list or run secret); the message says why and what to do."""
+    """This peer may not take part in the run (allow list, run secret or invitation); the message says why and
+    what to do, in one line."""
 
 
 def hello_name(run_id: str) -> str:
@@ -57,11 +63,22 @@ async def ask_admission(p2p: P2P, run_id: str, peers: Sequence[str], timeout_s: 
         except Exception as e:  # RpcError, or an old peer without the handler: no verdict
             return f"no answer: {e}"
 
-    answers = dict(zip(asked, await asyncio.gather(*(ask(p) for p in asked))))
-    verdicts = [a for a in answers.values() if not a.startswith("no answer")]
-    refusals = [a for a in verdicts if a.startswith(REFUSED_PREFIX)]
+    for attempt in range(1, HELLO_TRIES + 1):
+        answers = dict(zip(asked, await asyncio.gather(*(ask(p) for p in asked))))
+        verdicts = [a for a in answers.values() if not a.startswith("no answer")]
+        refusals = [a for a in verdicts if a.startswith(REFUSED_PREFIX)]
+        # Our record was announced just before: a busy peer's read of the DHT may not hold it yet.
+        if attempt == HELLO_TRIES or not refusals or not all(RECORD_NOT_SEEN in r for r in refusals):
+            break
+        await asyncio.sleep(HELLO_RETRY_S * attempt)
     if verdicts and len(refusals) == len(verdicts):
-        raise AccessDenied(f"{refusals[0]} (refused by {len(refusals)} of {len(asked)} live peer(s) asked). "
-                           "Ask the run's operator to add your PeerID (`p2p-diloco id`) to the allow list, or "
-                           "for the run secret (--run-secret-file)")
+        raise AccessDenied(f"{refusals[0]} (refused by {len(refusals)} of {len(asked)} live peer(s) asked)"
+                           + _what_to_do(refusals[0]))
     return answers
+
+
+def _what_to_do(refusal: str) -> str:
+    if "invitation" in refusal or "operator" in refusal:  # those reasons say what to do (net/admission/invites.py)
+        return ""
+    return (". Ask the run's operator to add your PeerID (`p2p-diloco id`) to the allow list, or for the run "
+            "secret (--run-secret-file)")

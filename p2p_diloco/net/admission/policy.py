@@ -3,7 +3,7 @@
 Anyone on the internet can reach a peer. What a remote sends is checked (wire/, sync/); this module bounds what
 it can *make us do*, and who may take part at all.
 
-Access (a closed run): two independent gates; a run may use either, both or none.
+Access (a closed run): independent gates; a run may use any of them, or none.
   - Allow list: the PeerIDs that may take part, from `--allow-peers FILE` (one PeerID per line, `#` comments).
     It lives in the RunSpec (`defence.allowed_senders`), so it is part of the spec hash: every peer merges
     exactly the same senders' updates, which invariant 3 (equal merged sets give equal replicas) needs. A
@@ -14,7 +14,9 @@ Access (a closed run): two independent gates; a run may use either, both or none
     `member_proof = HMAC-SHA256(K, run_id || PeerID)` with `K = scrypt(secret, run_id)`. The record is signed
     by the PeerID's key and libp2p authenticates the PeerID of every stream, so a copied proof is useless to
     anyone else; scrypt makes guessing a weak secret from a published proof slow (use a long random one).
-Both gates apply to every RPC (announce, pull, evidence, snapshot, hello): a refused caller gets the reason
+  - Invitations: a run with operator keys (`--operators`) admits the operators' PeerIDs and the peers they
+    invite, without a new spec; revocations spread through the peer records (net/admission/invites.py).
+Every gate applies to every RPC (announce, pull, evidence, snapshot, hello): a refused caller gets the reason
 ("not allowed in this run: ..."), and a refused `join` prints it and exits non-zero.
 
 Rate limits: token buckets per remote PeerID and per kind of request, plus bytes in and out, kept for at most
@@ -38,6 +40,9 @@ from p2p_diloco.wire.identity import IdentityError, public_key_from_peer_id
 
 MEMBER_PROOF_FIELD = "member_proof"
 """The peer-record field that carries a member's proof of the run secret (hex)."""
+RECORD_NOT_SEEN = "no peer record of yours is on the DHT yet; announce, then retry"
+"""Part of a refusal when the caller's record was not found: a joiner that just announced asks again
+(net/admission/hello.py)."""
 _PROOF_DOMAIN = b"p2p-diloco/member-proof/v1"
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1  # ~50 ms and 16 MiB once per start; per guess for an attacker
 MAX_ALLOW_LIST_PEERS = 100_000
@@ -150,6 +155,6 @@ class NetPolicy:
     """Access and rate limits of one peer, as handed from the CLI (`join`) to its network (PeerNetwork)."""
 
     access: AccessConfig = field(default_factory=AccessConfig)
-    """Closed runs: the allow-list file and the run secret."""
+    """Closed runs: the allow-list file, the run secret, operator keys and this peer's invitation."""
     limits: RateLimitConfig = field(default_factory=RateLimitConfig)
     """Per-remote rate limits, stream pace and penalties."""

@@ -22,6 +22,9 @@ fills in (peer_id, run_id, updated_at, expiration_time):
                             its counters: bytes up and down (updates, pulls, snapshots), remote updates merged
     shard, corpus           data shard and corpus fingerprint (peers on another corpus are flagged)
     member_proof            in a run with a secret: HMAC proof of the secret, bound to the PeerID (admission/policy.py)
+    operators, invite, revoked
+                            in a run with operator keys: their digest, its invitation, the revocations it carries
+                            for the others (admission/invites.py)
     rejected_by             {reason: count} of everything it refused: updates (intake outcomes but merged and
                             buffered) and network refusals (rate_limited, not_allowed, bad_chunk, slow_stream...);
                             the views' `rejected` figure is its sum without honest duplicates (view/figures.py)
