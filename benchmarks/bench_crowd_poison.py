@@ -17,8 +17,24 @@ peer's own update no longer passed its own replica's checks), its cost against t
 defence, the replicas' divergence (relative L2: equal replicas ~1e-7), and what vetting did.
 Also: how many updates a late honest volunteer needs to reach full weight (probation: deterministic).
 
+Attacks designed against the rules (sim/crowd_attacks.py): near copies (`near_copy`: negated plus each identity's
+own 5% noise, so no two payloads are copies; `near_copy_pos`: not negated), `scale_bound` (a negated near copy
+at the norm bound), `mixed_adaptive` (those and noise in turn), a crowd that copies a late honest volunteer
+(`copy_newcomer`: exact copies, `near_copy_newcomer`: negated near copies; a 4th honest peer joins halfway and
+its multipliers by seq are reported), and hostile peers WITH compute: K identities that train on their own
+data, spend the token budget like honest peers, and publish their own update negated (`train_negate`), times 5
+capped under the norm bound (`train_scale`), negated and so capped (`train_negate_bound`), negated with the K
+of them sharing as much compute as the honest peers together (`train_negate_shared`), or negated, each phase
+trained from an honest replica's state rather than its own (`train_negate_tracked`). For `train_*`, K is the
+number of hostile peers and no crowd signs anything. The defence `standing` is the spec's defaults (whatever
+the code under test makes them).
+
     python benchmarks/bench_crowd_poison.py --crowds 0,10,100,1000 --seeds 3 --jobs 2
 writes benchmarks/results/crowd/poison.json and poison.md.
+
+    python benchmarks/bench_crowd_poison.py --crowds 0,3,10,100 --attacks adaptive --defences standing \
+        --seeds 1 --no-volunteer --out benchmarks/results/crowd/adaptive
+runs the attacks designed against the rules (`train_*` at K <= --max-trainers only).
 """
 
 from __future__ import annotations
@@ -32,15 +48,44 @@ import time
 from pathlib import Path
 
 from p2p_diloco.config import DefenceConfig, SimConfig, preset
+from p2p_diloco.sim.adversary import Adversary, Hostility
 from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
 from p2p_diloco.sync.probation import probation_multiplier
 from p2p_diloco.sync.verdict import REFUSALS, TIED
 from p2p_diloco.train.data.corpus import load_corpus
 
-ATTACKS = {"sign_flip": ("sign_flip", 1.0, 1.0), "scale5": ("scale", 5.0, 1.0),
-           "scale5-nobound": ("scale", 5.0, 0.0), "scale2": ("scale", 2.0, 1.0), "noise": ("noise", 1.0, 1.0),
+
+@dataclasses.dataclass(frozen=True)
+class Attack:
+    mode: str = "sign_flip"  # the crowd's (sim/crowd_attacks.py), or the hostile trainers' with `hostile`
+    factor: float = 1.0
+    norm_bound: float = 1.0
+    after: int = 0
+    newcomer: bool = False  # a 4th honest peer joins halfway; the crowd copies it
+    hostile: Hostility | None = None  # K hostile peers that train (spending the budget) instead of a crowd
+    bounded: bool = False  # hostile scale: capped under the norm bound
+    shared: bool = False  # the K hostile peers together have as much compute as the honest ones
+    track: bool = False  # the hostile peers train from an honest replica's state, not their own
+
+
+ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
+           "scale5-nobound": Attack("scale", 5.0, 0.0), "scale2": Attack("scale", 2.0), "noise": Attack("noise"),
+           "noise_shaped": Attack("noise_shaped"),
            # the crowd starts once peer 0 is in good standing (its 5th update): its copies lose every pair
-           "sign_flip-late": ("sign_flip", 1.0, 1.0, 4), "scale5-nobound-late": ("scale", 5.0, 0.0, 4)}
+           "sign_flip-late": Attack("sign_flip", after=4), "scale5-nobound-late": Attack("scale", 5.0, 0.0, 4),
+           # designed against the rules: the copy test at |cos| >= 0.9999, probation, the norm bound
+           "near_copy": Attack("near_copy"), "near_copy_pos": Attack("near_copy_pos"),
+           "scale_bound": Attack("scale_bound", 5.0), "mixed_adaptive": Attack("mixed_adaptive", 1.0),
+           "copy_newcomer": Attack("copy", newcomer=True), "near_copy_newcomer": Attack("near_copy", newcomer=True),
+           "train_negate": Attack(hostile=Hostility.SIGN_FLIP),
+           "train_scale": Attack(factor=5.0, hostile=Hostility.SCALE, bounded=True),
+           "train_negate_bound": Attack(factor=-5.0, hostile=Hostility.SCALE, bounded=True),
+           "train_negate_shared": Attack(hostile=Hostility.SIGN_FLIP, shared=True),
+           "train_negate_tracked": Attack(hostile=Hostility.SIGN_FLIP, track=True)}
+ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive",
+            "copy_newcomer", "near_copy_newcomer", "train_negate", "train_scale", "train_negate_bound",
+            "train_negate_shared", "train_negate_tracked"]
+CLEAN = {"clean": Attack(), "clean_join": Attack(newcomer=True)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
                           copy_cosine=0.0),
             "standing": {}}
@@ -56,25 +101,37 @@ def run_one(job: dict) -> dict:
     torch.set_num_threads(1)
     logging.getLogger("p2p_diloco").setLevel(logging.ERROR)
     base = preset(job["preset"])
-    mode, factor, norm_bound, *after = ATTACKS.get(job["attack"], ("sign_flip", 1.0, 1.0))  # clean: no crowd
-    defence = DefenceConfig(norm_bound=norm_bound, **DEFENCES[job["defence"]])
-    inner = dataclasses.replace(base.inner, inner_steps=job["inner_steps"], decay_steps=job["steps_per_peer"])
+    attack = CLEAN[job["attack"]] if job["attack"] in CLEAN else ATTACKS[job["attack"]]
+    defence = DefenceConfig(norm_bound=attack.norm_bound, **DEFENCES[job["defence"]])
+    spp, honest, k = job["steps_per_peer"], job["peers"], job["crowd"]
+    inner = dataclasses.replace(base.inner, inner_steps=job["inner_steps"], decay_steps=spp)
     spec = dataclasses.replace(base, seed=job["seed"], inner=inner, defence=defence)
-    total = job["peers"] * job["steps_per_peer"]
-    sim = SimConfig(peers=job["peers"], total_steps=total, eval_batches=16, eval_every_s=float(total))
+    trainers = k if attack.hostile is not None else 0
+    speed = honest / k if attack.shared and k else 1.0
+    # The budget: each honest peer's share as in the clean run, each hostile one's at its speed, a newcomer's.
+    total = round((honest + trainers * speed + attack.newcomer) * spp)
+    sim = SimConfig(peers=honest + trainers, total_steps=total, eval_batches=16, eval_every_s=float(total),
+                    speeds=("1",) * honest + (f"{speed:g}",) * trainers,
+                    join=(f"{spp / 2:g}",) if attack.newcomer else ())
+    adversaries = [Adversary(i, attack.hostile, factor=attack.factor, bounded=attack.bounded, track=attack.track)
+                   for i in range(honest, honest + trainers) if attack.hostile is not None]
     if "corpus" not in _CORPUS:
         _CORPUS["corpus"] = load_corpus(spec.data)
     count = "records" if job["defence"] == "today" else "proven"
+    crowd = CrowdAttack(0 if trainers else k, attack.mode, attack.factor, count, attack.after,
+                        source=honest + trainers if attack.newcomer else 0)
     t0 = time.time()
-    swarm = CrowdSwarm(spec, sim, _CORPUS["corpus"], CrowdAttack(job["crowd"], mode, factor, count, *after))
+    swarm = CrowdSwarm(spec, sim, _CORPUS["corpus"], crowd, adversaries=adversaries)
     try:
         result = swarm.run()
     except Exception as e:  # noqa: BLE001 (a replica pushed so far that an honest update fails its checks)
-        return {**job, "wall_s": round(time.time() - t0, 1), "eval_loss": float("inf"), "divergence": float("nan"),
-                "finite": False, "error": str(e), **swarm.crowd_summary()}
+        return {**swarm.crowd_summary(), **job, "wall_s": round(time.time() - t0, 1), "eval_loss": float("inf"),
+                "divergence": float("nan"), "finite": False, "error": str(e)}
     summary = swarm.honest_summary(result)
-    return {**job, "wall_s": round(time.time() - t0, 1), "eval_loss": summary["eval_loss"],
-            "divergence": summary["divergence"], "finite": summary["finite"], **swarm.crowd_summary()}
+    hostile_steps = sum(p.learner.step for p in swarm.peers if p.index in swarm.adversaries)
+    return {**swarm.crowd_summary(), **job, "wall_s": round(time.time() - t0, 1), "eval_loss": summary["eval_loss"],
+            "divergence": summary["divergence"], "finite": summary["finite"], "rejected": summary["counts"],
+            "hostile_steps": hostile_steps, "honest_steps": sum(p.learner.step for p in swarm.honest())}
 
 
 def late_volunteer(preset_name: str, inner_steps: int, steps_per_peer: int, crowd: int) -> dict:
@@ -103,31 +160,47 @@ def late_volunteer(preset_name: str, inner_steps: int, steps_per_peer: int, crow
     return {"crowd": crowd, "multipliers_by_seq": {k: sorted(v) for k, v in sorted(by_seq.items())}}
 
 
-def table(rows: list[dict], crowds: list[int], attacks: list[str]) -> str:
+def baseline(attack: str) -> str:
+    return "clean_join" if attack in ATTACKS and ATTACKS[attack].newcomer else "clean"
+
+
+def table(rows: list[dict], crowds: list[int], attacks: list[str], defences: list[str]) -> str:
     def median(key: str, **match: object) -> float:
-        vals = [r[key] for r in rows if all(r[k] == v for k, v in match.items())]
+        vals = [r[key] for r in rows if all(r.get(k) == v for k, v in match.items())]
         return statistics.median(vals) if vals else float("nan")
 
-    lines = ["| attack | identities | defence | honest eval loss | cost vs clean | divergence | refused / distrusted |",
-             "|---|---:|---|---:|---:|---:|---|"]
-    for defence in DEFENCES:
-        clean = median("eval_loss", crowd=0, defence=defence)
-        div = median("divergence", crowd=0, defence=defence)
-        lines.append(f"| clean | 0 | {defence} | {clean:.3f} | - | {div:.1e} | - |")
+    lines = ["| attack | identities | defence | honest eval loss | cost vs clean | divergence | attackers' weight "
+             "| refused / distrusted |", "|---|---:|---|---:|---:|---:|---:|---|"]
+    cleans = sorted({r["attack"] for r in rows if r["attack"] in CLEAN})
+    for name in cleans:
+        for defence in defences:
+            clean = median("eval_loss", attack=name, defence=defence)
+            div = median("divergence", attack=name, defence=defence)
+            lines.append(f"| {name} | 0 | {defence} | {clean:.3f} | - | {div:.1e} | - | - |")
+    notes = []
     for attack in attacks:
         for crowd in (c for c in crowds if c):
-            for defence in DEFENCES:
-                clean = median("eval_loss", crowd=0, defence=defence)
-                loss = median("eval_loss", crowd=crowd, defence=defence, attack=attack)
+            for defence in defences:
                 cells = [r for r in rows if r["crowd"] == crowd and r["defence"] == defence and r["attack"] == attack]
+                if not cells:
+                    continue
+                clean = median("eval_loss", attack=baseline(attack), defence=defence)
+                loss = median("eval_loss", crowd=crowd, defence=defence, attack=attack)
                 refused = statistics.median([sum(r["verdicts"].get(k, 0) for k in (*REFUSALS, TIED))
-                                             for r in cells]) if cells else 0
-                distrusted = statistics.median([r["distrusted_min"] for r in cells]) if cells else 0
+                                             for r in cells])
+                distrusted = statistics.median([r["distrusted_min"] for r in cells])
+                weight = statistics.median([r.get("attacker_weight", float("nan")) for r in cells])
                 cost = (loss / clean - 1) * 100
                 lines.append(f"| {attack} | {crowd} | {defence} | {loss:.3f} | {cost:+.1f}% | "
                              f"{median('divergence', crowd=crowd, defence=defence, attack=attack):.1e} | "
-                             f"{refused:.0f} / {distrusted:.0f} |")
-    return "\n".join(lines)
+                             f"{weight:.2f} | {refused:.0f} / {distrusted:.0f} |")
+                for r in cells:
+                    if "source_weights" in r:
+                        seen = "; ".join(f"{k}: {', '.join(f'{m:g}' for m in v)}"
+                                         for k, v in r["source_weights"].items())
+                        notes.append(f"- {attack}, {crowd} identities, {defence}, seed {r['seed']}: the newcomer's "
+                                     f"updates hold, by seq, on the other honest replicas: {seen}")
+    return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def main() -> int:
@@ -137,18 +210,29 @@ def main() -> int:
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--steps-per-peer", type=int, default=200)
     ap.add_argument("--crowds", default="0,10,100,1000")
-    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--attacks", default=",".join(a for a in ATTACKS if a not in ADAPTIVE),
+                    help="comma-separated names, or 'adaptive' (the attacks designed against the rules), or 'all'")
+    ap.add_argument("--defences", default=",".join(DEFENCES))
+    ap.add_argument("--max-trainers", type=int, default=10, help="train_* attacks only at K up to this")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed+seeds-1")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--no-volunteer", action="store_true", help="skip the late volunteer's measurement")
     ap.add_argument("--out", default="benchmarks/results/crowd/poison")
     args = ap.parse_args()
     crowds = [int(c) for c in args.crowds.split(",")]
-    attacks = args.attacks.split(",")
+    attacks = {"adaptive": ADAPTIVE, "all": list(ATTACKS)}.get(args.attacks, args.attacks.split(","))
+    defences = args.defences.split(",")
+    unknown = [a for a in attacks if a not in ATTACKS] + [d for d in defences if d not in DEFENCES]
+    if unknown:
+        ap.error(f"unknown attacks or defences: {unknown}")
     common = dict(preset=args.preset, peers=args.peers, inner_steps=args.inner_steps,
                   steps_per_peer=args.steps_per_peer)
-    jobs = [dict(common, crowd=0, attack="clean", defence=d, seed=s) for d in DEFENCES for s in range(args.seeds)]
+    cleans = sorted({baseline(a) for a in attacks})
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    jobs = [dict(common, crowd=0, attack=c, defence=d, seed=s) for c in cleans for d in defences for s in seeds]
     jobs += [dict(common, crowd=c, attack=a, defence=d, seed=s) for c in crowds if c for a in attacks
-             for d in DEFENCES for s in range(args.seeds)]
+             if ATTACKS[a].hostile is None or c <= args.max_trainers for d in defences for s in seeds]
     t0 = time.time()
     rows = []
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -156,22 +240,23 @@ def main() -> int:
             rows.append(row)
             print(f"[{i}/{len(jobs)} {time.time() - t0:.0f}s] {row['attack']} crowd={row['crowd']} "
                   f"{row['defence']} seed={row['seed']}: eval {row['eval_loss']:.3f} div {row['divergence']:.1e} "
-                  f"({row['wall_s']}s)", flush=True)
-    ramp = [probation_multiplier(k, DefenceConfig().probation) for k in range(1, 6)]
-    late = next(k for k, m in enumerate(ramp, 1) if m >= 1.0)
-    volunteer = late_volunteer(args.preset, args.inner_steps, args.steps_per_peer, max(crowds))
-    seen = "; ".join(f"update {k}: {', '.join(f'{m:g}' for m in v)}" for k, v in
-                     volunteer["multipliers_by_seq"].items())
-    md = table(rows, crowds, attacks) + (
-        f"\n\nA late honest volunteer's k-th update merges at {', '.join(f'{m:g}' for m in ramp)} of its weight "
-        f"(k = 1..5): full weight from its update {late} on, on every replica alike. Measured: a 4th honest peer "
-        f"joining halfway through, with {max(crowds)} sign-flipping identities attacking, merged on the 3 "
-        f"other replicas at {seen}.\n")
-    rows.append({"late_volunteer": volunteer})
+                  f"weight {row.get('attacker_weight', 0):.2f} ({row['wall_s']}s)", flush=True)
+    md = table(rows, crowds, attacks, defences)
+    if not args.no_volunteer:
+        ramp = [probation_multiplier(k, DefenceConfig().probation) for k in range(1, 6)]
+        late = next(k for k, m in enumerate(ramp, 1) if m >= 1.0)
+        volunteer = late_volunteer(args.preset, args.inner_steps, args.steps_per_peer, max(crowds))
+        seen = "; ".join(f"update {k}: {', '.join(f'{m:g}' for m in v)}" for k, v in
+                         volunteer["multipliers_by_seq"].items())
+        md += (f"\n\nA late honest volunteer's k-th update merges at {', '.join(f'{m:g}' for m in ramp)} of its "
+               f"weight (k = 1..5): full weight from its update {late} on, on every replica alike. Measured: a 4th "
+               f"honest peer joining halfway through, with {max(crowds)} sign-flipping identities attacking, merged "
+               f"on the 3 other replicas at {seen}.")
+        rows.append({"late_volunteer": volunteer})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".md").write_text(md + "\n")
     print(md)
     return 0
 

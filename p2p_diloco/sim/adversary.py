@@ -5,7 +5,9 @@ A hostile peer trains like an honest one (so its updates look plausible in time 
 update into its own replica, and publishes a tampered one instead:
 
     nan        the payload carries a NaN (hand-made bytes: no codec encodes one)
-    scale      the payload is the honest one times `factor` (x100 in the benchmark)
+    scale      the payload is the honest one times `factor` (x100 in the benchmark; a negative factor negates
+               it); with `bounded`, its largest coordinate capped just under the spec's norm bound (the
+               longest update that passes it: an attacker who knows the spec)
     sign_flip  the payload is minus the honest one
     withhold   seqs in `withhold` are published to nobody and kept by nobody (a lost update: replicas skip its gap);
                with `release_at_s` they are sent to every live peer at that time instead
@@ -24,13 +26,16 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
+from p2p_diloco.sim.crowd_attacks import within_bound
 from p2p_diloco.sim.result import Progress, SimResult, divergence
 from p2p_diloco.sim.swarm import AsyncSwarm, ReplicaState, SimPeer
 from p2p_diloco.sync.quorum import merged_by_quorum, skipped_by_quorum
+from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.train.data.corpus import Corpus
 from p2p_diloco.train.learner import Learner, SwarmView
@@ -55,6 +60,12 @@ class Adversary:
     mode: Hostility
     factor: float = 100.0
     """scale: the payload's multiplier."""
+    bounded: bool = False
+    """scale: cap the scaled payload's largest coordinate just under the norm bound (sim/crowd_attacks.py)."""
+    track: bool = False
+    """Start each phase from an honest replica's state (an attacker that keeps an honest replica alongside its
+    own), so that its tampered work is computed where the honest peers stand; otherwise from its own replica,
+    which merged its honest updates instead of the tampered ones."""
     withhold: tuple[int, ...] = (2,)
     """withhold: the seqs nobody gets."""
     release_at_s: float | None = None
@@ -68,11 +79,26 @@ class Adversary:
             payload = _with_nan(honest.payload, learner.codec.name)
         else:
             d = learner.codec.decompress(honest.payload, honest.header.numel)
-            payload = learner.codec.compress(d * self.factor if self.mode is Hostility.SCALE else -d)
+            if self.mode is Hostility.SCALE:
+                bound = MergePolicy.from_spec(learner.spec).reject_above if self.bounded else math.inf
+                payload = learner.codec.compress(within_bound(d, self.factor, bound))
+            else:
+                payload = learner.codec.compress(-d)
         h = honest.header
         return make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=h.seq, tau=h.tau, samples=h.samples,
                            weight=h.weight, codec=h.codec, numel=h.numel, payload=payload,
                            identity=learner.identity, created_at=h.created_at)
+
+
+class Published(NamedTuple):
+    """A poisoning peer's published update `seq` against the honest one it trained: their cosine, its length
+    relative to the honest one's and its largest coordinate."""
+
+    peer: int
+    seq: int
+    cosine: float
+    length_ratio: float
+    peak: float
 
 
 def _with_nan(payload: Payload, codec: str) -> bytes:
@@ -103,6 +129,7 @@ class HostileSwarm(AsyncSwarm):
         gone (the plain simulator, like the real swarm's peer list, counts every live peer)."""
         self.adversaries = {a.peer: a for a in adversaries}
         self.repairs = 0
+        self.published: list[Published] = []  # what each poisoning peer published, against its honest update
         self.weigh_banned = weigh_banned
         super().__init__(spec, sim, corpus, progress=progress)
 
@@ -132,9 +159,23 @@ class HostileSwarm(AsyncSwarm):
             peer.exchange.publish = publish_some  # type: ignore[method-assign]
 
         def finish_phase(phase, result, swarm) -> OuterUpdate:  # noqa: ANN001
-            return adversary.tamper(learner, honest_finish(phase, result, swarm))
+            honest = honest_finish(phase, result, swarm)
+            tampered = adversary.tamper(learner, honest)
+            if adversary.mode in (Hostility.SCALE, Hostility.SIGN_FLIP):
+                d, t = (learner.codec.decompress(u.payload, u.header.numel) for u in (honest, tampered))
+                cosine = float(torch.nn.functional.cosine_similarity(d, t, dim=0))
+                self.published.append(Published(peer.index, tampered.seq, cosine, float(t.norm() / d.norm()),
+                                                float(t.abs().max())))
+            return tampered
 
         learner.finish_phase = finish_phase  # type: ignore[method-assign]
+
+    def _start_phase(self, peer: SimPeer) -> None:
+        adversary = self.adversaries.get(peer.index)
+        honest = [p for p in self._alive() if p.index not in self.adversaries]
+        if adversary is not None and adversary.track and honest and peer.alive:  # between its phases
+            peer.learner.replica.load(*honest[0].learner.replica.snapshot())
+        super()._start_phase(peer)
 
     def _view(self) -> SwarmView:
         view = super()._view()

@@ -1,11 +1,13 @@
 """A crowd of fresh identities in the in-process swarm: poisoning that costs the attacker nothing but keys (an
 open run's threat, ARCHITECTURE.md "Who counts").
 
-`CrowdSwarm` is `HostileSwarm` (sim/adversary.py) with `crowd` extra identities on top of the honest peers. They
-train nothing and spend none of the token budget: each time honest peer 0 publishes, every crowd identity
-publishes the tampered copy of that update (`sign_flip`: negated, `scale`: times `factor`) under its own
-identity and next seq, claiming the full weight (`max_weight`), and sends it to every honest peer. That is
-the cheapest attack an open run admits: K identities for the price of one stolen update per round.
+`CrowdSwarm` is `HostileSwarm` (sim/adversary.py) with `crowd` extra identities on top of the peers. They
+train nothing and spend none of the token budget: each time the copied peer (`source`: honest peer 0, or a
+late joiner's index) publishes, every crowd identity publishes a tampered copy of that update (the modes of
+sim/crowd_attacks.py: exact and near copies, negated, scaled up to the norm bound, noise) under its own identity
+and next seq, claiming the full weight (`max_weight`), and sends it to every peer. That is the cheapest attack
+an open run admits: K identities for the price of one stolen update per round. Hostile peers that do train
+(`adversaries`, spending the token budget like honest ones) can join the same run.
 
 How many peers the honest senders weight by (`SwarmView.num_peers`) is the real peer's rule: `count` "records"
 counts every identity with a record (the crowd included: today's main), "proven" only authors in good standing
@@ -14,20 +16,25 @@ whose updates merged recently (sync/standing.py `Standing.proven`, what the real
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
-from p2p_diloco.sim.adversary import HostileSwarm
+from p2p_diloco.sim.adversary import Adversary, HostileSwarm
+from p2p_diloco.sim.crowd_attacks import crowd_delta, mode_of
 from p2p_diloco.sim.result import Progress
 from p2p_diloco.sim.swarm import ReplicaState, SimPeer, stored_envelope
 from p2p_diloco.sync.authors import MAX_INHERITED
+from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.train.data.corpus import Corpus
 from p2p_diloco.train.learner import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
 from p2p_diloco.wire.identity import Identity
 
+EXACT = ("sign_flip", "scale", "copy")
+"""Plain modes whose payload is the same for every identity."""
 PROVEN_WINDOW_ROUNDS = 8
 """A proven author's last full-weight update must be at most this many of its own phases old (simulated)."""
 
@@ -35,26 +42,29 @@ PROVEN_WINDOW_ROUNDS = 8
 @dataclass(frozen=True)
 class CrowdAttack:
     size: int
-    mode: str = "sign_flip"  # sign_flip | scale | noise (random direction, honest norm x factor) | mixed
+    mode: str = "sign_flip"  # sim/crowd_attacks.py MODES
     factor: float = 5.0
     count: str = "proven"  # proven | records: who counts in the swarm's size
-    after: int = 0  # the crowd copies peer 0's updates from its seq after+1 on (0: from its first)
+    after: int = 0  # the crowd copies the source's updates from its seq after+1 on (0: from its first)
+    source: int = 0  # the index of the peer whose updates the crowd copies (a joiner's: it copies a newcomer)
 
 
 class CrowdSwarm(HostileSwarm):
-    """Honest peers plus a crowd of identities that re-sign tampered copies of peer 0's updates."""
+    """Honest (and hostile) peers plus a crowd of identities that re-sign tampered copies of one peer's updates."""
 
     def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, attack: CrowdAttack, *,
-                 progress: Progress | None = None) -> None:
+                 adversaries: Sequence[Adversary] = (), progress: Progress | None = None) -> None:
         self.attack = attack
         self.crowd = [Identity.generate() for _ in range(attack.size)]
         self.crowd_seq = [0] * attack.size
+        self.modes = [mode_of(attack.mode, i) for i in range(attack.size)]
         self.noise_rng = torch.Generator().manual_seed(spec.seed + 1)
-        super().__init__(spec, sim, corpus, progress=progress)
+        self.bound = MergePolicy.from_spec(spec).reject_above
+        super().__init__(spec, sim, corpus, adversaries, progress=progress)
 
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         peer = super()._add_peer(speed, state)
-        if peer.index == 0 and self.crowd:
+        if peer.index == self.attack.source and self.crowd:
             honest_publish = peer.exchange.publish
 
             def publish(update: OuterUpdate) -> None:
@@ -85,15 +95,16 @@ class CrowdSwarm(HostileSwarm):
             return
         codec, h = source.learner.codec, honest.header
         d = codec.decompress(honest.payload, h.numel)
-        flipped, scaled = codec.compress(-d), codec.compress(d * self.attack.factor)
+        exact: dict[str, bytes] = {}  # the exact copies are one payload for the whole crowd
         targets = [p for p in self._alive() if p is not source] + [source]
         for i, identity in enumerate(self.crowd):
-            mode = self.attack.mode if self.attack.mode != "mixed" else ("sign_flip", "scale")[i % 2]
-            if mode == "noise":  # a random direction at the honest norm: no cosine test can tell it apart
-                noise = torch.randn(d.numel(), generator=self.noise_rng)
-                payload = codec.compress(noise * (d.norm() / noise.norm()) * self.attack.factor)
-            else:
-                payload = flipped if mode == "sign_flip" else scaled
+            mode = self.modes[i]
+            payload = exact.get(mode)
+            if payload is None:
+                payload = codec.compress(crowd_delta(mode, d, factor=self.attack.factor, bound=self.bound,
+                                                     rng=self.noise_rng))
+                if mode in EXACT:
+                    exact[mode] = payload
             self.crowd_seq[i] += 1
             forged = make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=self.crowd_seq[i], tau=h.tau,
                                  samples=h.samples, weight=self.spec.outer.max_weight, codec=h.codec, numel=h.numel,
@@ -110,20 +121,46 @@ class CrowdSwarm(HostileSwarm):
         else:  # the real peer's rule (peer/exchange.py): what the replicas merged recently, here their mean
             window = PROVEN_WINDOW_ROUNDS * self.spec.inner.inner_steps * self.sim.step_time_s
             sizes = [p.learner.replica.standing.swarm_size(self.queue.now, window)
-                     for p in alive if p.learner.replica.standing is not None]
+                     for p in alive if p.learner.replica.standing is not None and p.index not in self.adversaries]
             size = sum(sizes) / len(sizes) if sizes else float(len(alive))
             return SwarmView(num_peers=max(1, round(size)), samples_per_round=size * per_peer)
         return SwarmView(num_peers=max(1, n), samples_per_round=max(1, n) * per_peer)
 
+    def honest(self) -> list[SimPeer]:
+        """The live peers that are not hostile (the crowd has no peers)."""
+        return [p for p in self._alive() if p.index not in self.adversaries]
+
+    def attackers(self) -> list[str]:
+        """The peer ids of the crowd and of the hostile peers."""
+        return [i.peer_id for i in self.crowd] + [p.learner.peer_id for p in self.peers if p.index in self.adversaries]
+
+    def weights_by_seq(self, peer_id: str) -> dict[int, list[float]]:
+        """The multiplier each update of `peer_id` holds at the end on the other honest replicas, by seq."""
+        by_seq: dict[int, list[float]] = {}
+        for peer in self.honest():
+            replica = peer.learner.replica
+            if peer.learner.peer_id != peer_id:
+                for seq in range(1, replica.version_vector.get(peer_id) + 1):
+                    by_seq.setdefault(seq, []).append(replica.merged_weight(peer_id, seq))
+        return {k: sorted(v) for k, v in sorted(by_seq.items())}
+
     def crowd_summary(self) -> dict:
-        """What the honest replicas made of the crowd: verdict counts, summed over the honest peers."""
+        """What the honest replicas made of the attack: verdict counts summed over them, the attackers' weight
+        (the mean multiplier their merged updates hold there: 0 refused, 1 full) and, for a crowd copying
+        a peer other than peer 0, that peer's multipliers by seq."""
         stats: dict[str, int] = {}
-        for p in self._alive():
+        honest = self.honest()
+        for p in honest:
             standing = p.learner.replica.standing
             for k, v in (standing.stats.items() if standing is not None else ()):
                 stats[k] = stats.get(k, 0) + v
-        distrusted = [len(p.learner.replica.standing.distrusted) for p in self._alive()
+        distrusted = [len(p.learner.replica.standing.distrusted) for p in honest
                       if p.learner.replica.standing is not None]
-        return {"verdicts": stats, "distrusted_min": min(distrusted) if distrusted else 0,
-                "crowd": self.attack.size, "mode": self.attack.mode, "count": self.attack.count,
-                "crowd_published": sum(self.crowd_seq)}
+        held = [w for pid in self.attackers() for ws in self.weights_by_seq(pid).values() for w in ws]
+        out = {"verdicts": stats, "distrusted_min": min(distrusted) if distrusted else 0,
+               "crowd": self.attack.size, "mode": self.attack.mode, "count": self.attack.count,
+               "crowd_published": sum(self.crowd_seq), "hostile": len(self.adversaries),
+               "attacker_weight": sum(held) / len(held) if held else 0.0, "attacker_updates": len(held)}
+        if self.attack.source and len(self.peers) > self.attack.source:
+            out["source_weights"] = self.weights_by_seq(self.peers[self.attack.source].learner.peer_id)
+        return out

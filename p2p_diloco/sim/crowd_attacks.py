@@ -1,0 +1,80 @@
+"""What each identity of a crowd (sim/crowd.py `CrowdSwarm`) signs, given the honest update it copies: the
+tampering modes, including those designed against the copy test and the norm bound (ARCHITECTURE.md "Who counts").
+
+    sign_flip       minus the honest update (an exact negated copy)
+    scale           the honest update times `factor` (an exact scaled copy)
+    copy            the honest update itself, re-signed (a crowd that copies a newcomer: the copy rule's tie)
+    noise           a random direction at the honest update's length times `factor` (Gaussian: its peak can
+                    pass the norm bound where the honest update is flat, as at small H)
+    noise_shaped    the honest update's magnitudes in a random order with random signs: a random direction
+                    with the honest length, peak and distribution of magnitudes (no norm test tells it apart)
+    near_copy       minus the honest update plus this identity's own noise (NEAR_NOISE of its length), rescaled
+                    to the honest length: |cos| with the original ~0.9988, with another identity's ~0.9975, so no
+                    two payloads are copies under a copy test at |cos| >= 0.9999
+    near_copy_pos   the same, not negated: K more votes for the honest direction (amplification, overshoot)
+    scale_bound     a negated near copy scaled to BOUND_MARGIN of the spec's per-coordinate norm bound (the
+                    longest payload the bound lets through; `factor` times the honest length if there is none)
+    mixed           sign_flip and scale alternating (identity i: i % 2)
+    mixed_adaptive  near_copy, near_copy_pos, scale_bound and noise_shaped in turn (identity i: i % 4)
+
+Every near copy keeps its largest coordinate under BOUND_MARGIN of the bound, as the attacker knows the spec.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+NEAR_NOISE = 0.05
+"""A near copy's own noise, as a fraction of the honest update's L2 length."""
+BOUND_MARGIN = 0.98
+"""What fraction of the norm bound a bounded payload reaches (the codec's rounding must not carry it over)."""
+MIXES = {"mixed": ("sign_flip", "scale"),
+         "mixed_adaptive": ("near_copy", "near_copy_pos", "scale_bound", "noise_shaped")}
+MODES = ("sign_flip", "scale", "copy", "noise", "noise_shaped", "near_copy", "near_copy_pos", "scale_bound", *MIXES)
+
+
+def mode_of(mode: str, identity: int) -> str:
+    """The plain mode identity number `identity` of a crowd in `mode` plays."""
+    if mode not in MODES:
+        raise ValueError(f"unknown crowd mode {mode!r} (one of {', '.join(MODES)})")
+    mix = MIXES.get(mode)
+    return mix[identity % len(mix)] if mix else mode
+
+
+def crowd_delta(mode: str, d: Tensor, *, factor: float, bound: float, rng: torch.Generator) -> Tensor:
+    """The payload (decoded, before compression) a crowd identity in plain mode `mode` signs in place of the
+    honest decoded payload `d`; `bound` is the spec's per-coordinate bound (inf: none)."""
+    if mode == "sign_flip":
+        return -d
+    if mode == "scale":
+        return d * factor
+    if mode == "copy":
+        return d.clone()
+    length = d.norm()
+    if mode == "noise":  # a random direction at the honest norm: no cosine test can tell it apart
+        noise = torch.randn(d.numel(), generator=rng)
+        return noise * (length / noise.norm()) * factor
+    if mode == "noise_shaped":
+        order = torch.randperm(d.numel(), generator=rng)
+        signs = torch.randint(0, 2, (d.numel(),), generator=rng, dtype=d.dtype) * 2 - 1
+        return d.abs()[order] * signs
+    if mode not in ("near_copy", "near_copy_pos", "scale_bound"):
+        raise ValueError(f"{mode!r} is not a plain crowd mode")
+    noise = torch.randn(d.numel(), generator=rng)
+    x = (d if mode == "near_copy_pos" else -d) + noise * (NEAR_NOISE * length / noise.norm())
+    x = x * (length / x.norm())
+    if mode == "scale_bound":
+        return x * (BOUND_MARGIN * bound / x.abs().max()) if math.isfinite(bound) else x * factor
+    peak = float(x.abs().max())
+    return x * (BOUND_MARGIN * bound / peak) if math.isfinite(bound) and peak > BOUND_MARGIN * bound else x
+
+
+def within_bound(d: Tensor, factor: float, bound: float) -> Tensor:
+    """`d` times `factor`, its largest coordinate capped at BOUND_MARGIN of `bound` (a hostile trainer that
+    scales its own work as far as the norm bound lets it)."""
+    x = d * factor
+    peak = float(x.abs().max())
+    return x * (BOUND_MARGIN * bound / peak) if math.isfinite(bound) and peak > BOUND_MARGIN * bound else x

@@ -1,0 +1,97 @@
+"""The crowd harness's attacks designed against the rules (sim/crowd_attacks.py, benchmarks/bench_crowd_poison.py)
+produce what they claim: the behaviour of the harness, not of the defence. One small in-process swarm: 3 honest
+peers, 2 hostile peers that train (one publishes its update negated, trained from an honest replica's state; one
+scaled x5 under the norm bound), a 4th honest peer joining late, and a crowd of 4 identities copying that newcomer
+in the modes of `mixed_adaptive`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from torch import Tensor
+
+from p2p_diloco.config import DefenceConfig, SimConfig, preset
+from p2p_diloco.sim.adversary import Adversary, Hostility
+from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
+from p2p_diloco.sim.crowd_attacks import BOUND_MARGIN, MIXES, crowd_delta, mode_of
+from p2p_diloco.train.data.corpus import load_corpus
+
+pytestmark = pytest.mark.timeout(120)
+
+H, STEPS = 5, 10  # inner steps per phase, steps per peer
+
+
+def _cos(a: Tensor, b: Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+@pytest.fixture(scope="module")
+def swarm() -> CrowdSwarm:
+    base = preset("test")
+    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=H, decay_steps=STEPS),
+                               defence=DefenceConfig())
+    sim = SimConfig(peers=5, total_steps=7 * STEPS, eval_batches=1, eval_every_s=1e9, join=(str(STEPS / 3),))
+    adversaries = [Adversary(3, Hostility.SIGN_FLIP, track=True),
+                   Adversary(4, Hostility.SCALE, factor=5.0, bounded=True)]
+    swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(4, "mixed_adaptive", 1.0, source=5),
+                       adversaries=adversaries)
+    swarm.run()
+    return swarm
+
+
+def test_crowd_identities_publish_near_copies_of_the_newcomer_that_no_copy_test_pairs(swarm: CrowdSwarm) -> None:
+    newcomer, judge = swarm.peers[5], swarm.peers[1]
+    codec, numel = judge.learner.codec, judge.learner.numel
+    rounds = newcomer.learner.last_seq
+    assert rounds >= 2 and all(s == rounds for s in swarm.crowd_seq), (rounds, swarm.crowd_seq)
+    for seq in range(1, rounds + 1):
+        original = judge.store.get(newcomer.learner.peer_id, seq)
+        assert original is not None
+        d = codec.decompress(original.payload, numel)
+        sent = []
+        for identity in swarm.crowd:
+            update = judge.store.get(identity.peer_id, seq)
+            assert update is not None and update.header.weight == swarm.spec.outer.max_weight
+            sent.append(codec.decompress(update.payload, numel))
+        near, near_pos, at_bound, shaped = sent
+        assert [mode_of("mixed_adaptive", i) for i in range(4)] == list(MIXES["mixed_adaptive"])
+        assert -0.9999 < _cos(near, d) < -0.99
+        assert 0.99 < _cos(near_pos, d) < 0.9999
+        assert -0.9999 < _cos(at_bound, d) < -0.99
+        assert 0.9 * BOUND_MARGIN * swarm.bound < float(at_bound.abs().max()) <= swarm.bound
+        assert abs(_cos(shaped, d)) < 0.05  # a random direction with the honest magnitudes
+        assert float(shaped.norm() / d.norm()) == pytest.approx(1.0, rel=0.05)
+        for a, b in itertools.combinations(sent, 2):
+            assert abs(_cos(a, b)) < 0.9999  # no two crowd payloads are copies of each other
+
+
+def test_hostile_trainers_spend_the_token_budget_and_publish_their_own_work_tampered(swarm: CrowdSwarm) -> None:
+    steps = {p.index: p.learner.step for p in swarm.peers}
+    assert sum(steps.values()) == swarm.steps_started <= swarm.sim.total_steps
+    assert steps[3] >= 2 * H and steps[4] >= 2 * H, steps  # they train like the honest ones
+    negated = [p for p in swarm.published if p.peer == 3]
+    scaled = [p for p in swarm.published if p.peer == 4]
+    assert len(negated) == steps[3] // H and len(scaled) == steps[4] // H
+    assert all(p.cosine < -0.999 and p.length_ratio == pytest.approx(1.0, rel=0.01) for p in negated)
+    assert all(p.cosine > 0.999 and 1.0 < p.length_ratio <= 5.01 and p.peak <= swarm.bound for p in scaled)
+    hostile = {swarm.peers[i].learner.peer_id for i in (3, 4)}
+    assert hostile <= set(swarm.attackers())
+    for peer in swarm.honest():  # their updates reached the honest replicas (merged, whatever weight)
+        assert all(peer.learner.replica.version_vector.get(pid) >= 2 for pid in hostile)
+
+
+def test_exact_modes_are_copies_and_noise_keeps_the_honest_length() -> None:
+    rng = torch.Generator().manual_seed(0)
+    d = torch.randn(4096, generator=rng) * torch.rand(4096, generator=rng)
+    kw = dict(factor=5.0, bound=float("inf"), rng=rng)
+    assert torch.equal(crowd_delta("sign_flip", d, **kw), -d) and torch.equal(crowd_delta("copy", d, **kw), d)
+    assert torch.equal(crowd_delta("scale", d, **kw), 5 * d)
+    assert float(crowd_delta("noise", d, factor=1.0, bound=float("inf"), rng=rng).norm()) == pytest.approx(
+        float(d.norm()), rel=1e-5)
+    shaped = crowd_delta("noise_shaped", d, **kw)
+    assert torch.equal(shaped.abs().sort().values, d.abs().sort().values)
+    with pytest.raises(ValueError):
+        mode_of("nonsense", 0)
