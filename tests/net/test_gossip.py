@@ -363,6 +363,23 @@ def test_a_peer_that_sends_invalid_updates_is_counted_and_penalized(loop, member
         loop.run(rpc.unserve(b_member.node.p2p, name))
 
 
+def test_a_catch_up_put_off_by_the_bytes_in_bucket_goes_on_when_it_refills(loop, members) -> None:
+    """A catch-up pull that fills its batch asks again at once; when our bytes-in bucket for that remote is in
+    debt by then, the wish is kept and retried after the shortest backoff (it was dropped: nothing brought the
+    rest until the next announce or anti-entropy)."""
+    a_member, b_member, _ = members
+    updates = _updates(b_member.identity, 6, seed=70)
+    limits = RateLimitConfig(bytes_in_per_s=float(len(encode_update(updates[0]))), burst_s=1.0)  # one a second
+    config = GossipConfig(anti_entropy_s=QUIET, rpc_timeout_s=5, pull_max_updates=2)
+    with gossiping(loop, [a_member, b_member], config, limits=limits) as (a, b):
+        a.view[:], b.view[:] = [], []  # no announces: only the one pull A is asked for
+        for update in updates:
+            publish(loop, b, update)
+        loop.run(a.gossip.request_pull(b.node.peer_id))
+        wait_until(lambda: a.vv.get(b.node.peer_id) == 6, 30, "A to pull all 6 of B's updates, 2 a batch")
+        assert a.gossip.stats["pulls_skipped"] >= 1  # the bucket did put the catch-up off
+
+
 def test_equivocation_evidence_is_verified_before_others_ban(loop, members) -> None:
     """C serves two signed updates for one (sender, seq) to A only. A bans the sender and pushes the proof;
     B verifies it itself and bans too. Invalid evidence is refused with the reason and counted."""

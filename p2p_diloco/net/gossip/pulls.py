@@ -12,7 +12,8 @@ Puller without a guard keeps its own): a pull that brought updates records `gave
 one kept (merged or buffered) that vetting did not refuse (`_earned`); a failure records its kind (timeout,
 for a slow stream too; refused; error, for a broken stream; invalid, with the penalty; empty, for a pull that
 brought nothing of what the remote claimed: a forced pull, anti-entropy's, claims nothing). Every failure but
-invalid data (which the guard's penalty covers) and every empty pull makes the remote back off. A pull from a
+invalid data (which the guard's penalty covers) and every empty pull makes the remote back off; a remote whose
+bytes-in bucket is in debt keeps its wish and is asked again after the shortest backoff. A pull from a
 remote that never gave us anything (probation) must bring each part of its answer within
 `probation_timeout_s`.
 """
@@ -187,7 +188,11 @@ class Puller:
                 self._claims[peer] = remote
                 for _ in range(MAX_PULL_ROUNDS):
                     claimed = self._lacks(self._wanted_vector(peer), remote)
-                    if not (force or claimed) or not self._may_pull(peer):
+                    why = self._refusal(peer) if force or claimed else "nothing"
+                    if why == "rate_limited":  # its bytes-in bucket refills: keep the wish, ask again soon
+                        self.slots.want(peer, remote, force, self.ledger.is_contributor)
+                        self.slots.failed(peer, time.monotonic(), grow=False)
+                    if why:
                         break
                     received, new = await self._pull_once(peer)
                     brought += new
@@ -284,7 +289,8 @@ class Puller:
             vector = vector.merge(claim)
         return vector
 
-    def _may_pull(self, peer: str) -> bool:
+    def _refusal(self, peer: str) -> str | None:
+        """Why not to pull from `peer` now (counted), or None."""
         # A peer we banned as an author would serve us its own refused updates first (it keeps them) at every
         # anti-entropy tick: no pull slot; what else it could relay reaches us from others.
         if peer in self.intake.replica.banned:
@@ -294,7 +300,7 @@ class Puller:
         if why:
             self.stats["pulls_skipped"] += 1
             self.failures.count(peer, why)
-        return not why
+        return why
 
     def _pull_failed(self, peer: str, error: BaseException) -> None:
         if isinstance(error, InvalidPull):
