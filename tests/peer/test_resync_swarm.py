@@ -25,9 +25,10 @@ ARGS = ("--gossip-retained-bytes", "800000", "--spec.defence.max-hole-span", "2"
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="a race found when CI first ran the slow tests: at the end one replica lacks "
-                   "the last few updates of one peer (e.g. A holds 33 of 37); failed 3 of 3 runs on the old code "
-                   "(5d7470e) and 2 of 4 on this one, on a quiet 2-core machine. Not yet explained: it still runs")
+@pytest.mark.xfail(strict=False, reason="at the end one replica lacks a few updates of one peer (e.g. A holds 33 of "
+                   "37) in about 1 run in 3: under load a peer skips a 1-2 seq gap after the 3 s gap timeout, the "
+                   "800 KB retention then evicts the missing updates everywhere, and it leaves with holes nobody "
+                   "can serve (the lag watch does not count holes). Needs repair before leaving; it still runs")
 def test_a_frozen_peer_that_pulls_cannot_catch_up_resyncs_and_replicas_agree(tmp_path: Path) -> None:
     with Launcher(tmp_path) as launcher:
         _, bootstrap = launcher.bootstrap()
