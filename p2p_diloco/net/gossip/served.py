@@ -122,10 +122,6 @@ class ServedLog:
             return {"marked": 0, "skipped": 0, "resets": 0}
         return {"marked": len(record.marks), "skipped": record.skipped, "resets": record.resets}
 
-    def skipped_by_remote(self) -> dict[str, int]:
-        """Remote -> requests skipped as repeats, for the remotes that have any (a copy)."""
-        return {peer: r.skipped for peer, r in self._remotes.items() if r.skipped}
-
     def _evict(self) -> None:
         while len(self._remotes) > self.max_remotes:
             _, gone = self._remotes.popitem(last=False)
