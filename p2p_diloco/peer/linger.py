@@ -29,9 +29,11 @@ QUIET_READS = 2
 
 
 def linger(network: PeerNetwork, learner: Learner, *, stop: threading.Event, linger_s: float, at_round: int,
-           out: Callable[[str], None], log: JsonLog) -> None:
+           out: Callable[[str], None], log: JsonLog, catch_up: Callable[[], object] | None = None) -> None:
     """Announce "done", then wait (at most `linger_s`, or until `stop`) for every live peer to hold our
-    version vector; the network keeps serving and merging meanwhile."""
+    version vector; the network keeps serving and merging meanwhile. `catch_up` is called at every check: the
+    round loop's re-sync (peer/resync.py), so a replica that pulls cannot complete (a gap whose updates every
+    store evicted) is re-synced before we leave, not left apart from the others."""
     network.local = {**network.local, "state": "done"}
     network.request_announce()
     out(f"finished {at_round} rounds; serving until the swarm is quiet (at most {linger_s:g}s)")
@@ -39,6 +41,8 @@ def linger(network: PeerNetwork, learner: Learner, *, stop: threading.Event, lin
     deadline = time.monotonic() + linger_s
     quiet_reads, last_read = 0, network.peers
     while not stop.wait(CHECK_INTERVAL_S):
+        if catch_up is not None:
+            catch_up()
         records = network.peers
         digest = learner.replica.version_vector.digest().hex()[:16]
         quiet = is_quiet(records, learner.peer_id, digest) and not network.settling()

@@ -118,9 +118,10 @@ class Peer:
                 self.checkpoints.resume(loop, network, learner, restored=restored is not None,
                                         stop=self.stop, stall_s=self.config.checkpoint.catch_up_stall_s,
                                         on_sync=self._adopt_journal)
-            self._train(loop, network, learner, report)
+            resync = self._train(loop, network, learner, report)
             self.progress.close()  # the bars go; the linger's lines follow the last round line
-            self._linger(network, learner)
+            catch_up = None if resync is None else (lambda: resync.between_rounds(loop, self.stop))
+            self._linger(network, learner, catch_up)
         except Stopped:
             self.out("stopping (interrupted during start-up)")
         finally:
@@ -197,7 +198,8 @@ class Peer:
 
     # ---- the round loop -------------------------------------------------------------------------------
 
-    def _train(self, loop: NetLoop, network: PeerNetwork, learner: Learner, report: PeerReport) -> None:
+    def _train(self, loop: NetLoop, network: PeerNetwork, learner: Learner, report: PeerReport) -> Resync | None:
+        """The round loop; returns its re-sync watch (the linger keeps using it)."""
         cfg = self.config.training
         self.exchange = SwarmExchange(network, loop.loop, self.samples_per_update)
         schedule = Schedule(rounds=cfg.rounds, eval_every=cfg.eval_every,
@@ -226,6 +228,7 @@ class Peer:
             self.round = report.round  # also after an error: the exit checkpoint names the rounds done
         if ended == "finish":
             self.out(f"finishing after round {self.round} (SIGUSR1)")
+        return resync
 
     def _open_resync(self, network: PeerNetwork, learner: Learner) -> Resync | None:
         """The watch that re-syncs state when pulls cannot catch us up (peer/resync.py); None if turned off."""
@@ -236,13 +239,13 @@ class Peer:
         return Resync(network, learner, window_s=window_s or window_for(self.config.gossip.anti_entropy_s),
                       fixed=window_s > 0, journal=journal, out=self.out, log=self.log)
 
-    def _linger(self, network: PeerNetwork, learner: Learner) -> None:
+    def _linger(self, network: PeerNetwork, learner: Learner, catch_up: Callable[[], object] | None) -> None:
         """After the last round (not after a stop): keep serving until every live peer holds our replica."""
         cfg = self.config.training
         if self.stop.is_set() or not (cfg.rounds or self.finish.is_set()) or cfg.linger_s <= 0:
             return
         linger(network, learner, stop=self.stop, linger_s=cfg.linger_s, at_round=self.round, out=self.out,
-               log=self.log)
+               log=self.log, catch_up=catch_up)
 
     # ---- leaving ----------------------------------------------------------------------------------------
 

@@ -108,3 +108,29 @@ def test_linger_time_runs_out() -> None:
     thread = _linger(network, stop, lines, linger_s=0.3)
     thread.join(5)
     assert not thread.is_alive() and lines[-1].startswith("linger time over"), lines
+
+
+def test_a_replica_pulls_cannot_complete_is_re_synced_while_lingering() -> None:
+    """Every other peer is done with a vector we cannot reach by pulls (their stores evicted what we lack): the
+    round loop's re-sync, called at each check, brings our replica to theirs, and the swarm goes quiet."""
+    theirs = "fedcba9876543210"
+    network, stop, lines = LingeringNetwork({"c": {"state": "done", "vv_digest": theirs}}), threading.Event(), []
+    learner = LingeringLearner()
+    calls: list[float] = []
+
+    def catch_up() -> None:  # what Resync.between_rounds does once its watch says we are stuck: adopt a state
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            learner.replica.version_vector = type("V", (), {"digest": lambda self: bytes.fromhex(theirs)})()
+
+    thread = threading.Thread(target=linger, args=(network, learner), daemon=True,
+                              kwargs=dict(stop=stop, linger_s=30.0, at_round=2, out=lines.append, log=NoLog(),
+                                          catch_up=catch_up))
+    thread.start()
+    try:
+        _reads(network, network.peers, 4)
+        thread.join(5)
+        assert not thread.is_alive() and lines[-1].startswith("swarm quiet"), lines
+        assert len(calls) >= 3
+    finally:
+        stop.set()
