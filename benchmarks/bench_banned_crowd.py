@@ -9,7 +9,7 @@ sender's update through `Intake.receive` with and without the header check.
 hostile peers that train and publish x5 (banned by the norm bound at their first update), against
 `train_flip` (sign-flippers, never banned). `--max-ticks` anti-entropy ticks end a run that is never quiet;
 `--old-intake` verifies a banned sender's updates in full (as before the header check); `--old-sim` puts back
-sim/swarm.py's anti-entropy as it was, pulling from banned donors too (`anti_entropy_old`).
+sim/swarm.py's anti-entropy as it was, pulling from banned donors too (`AsyncSwarm.skip_banned_donors`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from p2p_diloco.config import SimConfig, preset
 from p2p_diloco.sim.adversary import Adversary, HostileSwarm, Hostility
 from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
-from p2p_diloco.sim.swarm import AsyncSwarm, stored_envelope
+from p2p_diloco.sim.swarm import AsyncSwarm
 from p2p_diloco.sync import intake as intake_module
 from p2p_diloco.train.data.corpus import load_corpus
 
@@ -50,24 +50,6 @@ def build(mode: str, factor: float, args: argparse.Namespace) -> HostileSwarm:
     total = args.peers * args.steps_per_peer
     sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=4, eval_every_s=float(total))
     return CrowdSwarm(spec, sim, corpus, CrowdAttack(args.crowd, mode, factor))
-
-
-def anti_entropy_old(self: AsyncSwarm) -> None:
-    """`AsyncSwarm._anti_entropy` (sim/swarm.py) as it was: a peer also pulls from a donor it banned as an
-    author. A hostile donor then re-sends its own banned updates at every tick, one is always in flight, the swarm
-    is never quiet and anti-entropy never stops (`--old-sim`, for the before row)."""
-    alive = self._alive()
-    for peer in alive:
-        others = [p for p in alive if p is not peer]
-        if not others:
-            continue
-        donor = self.rng.choice(others)
-        settled = self.queue.now - self.sim.anti_entropy_s / 2
-        for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=64):
-            if donor.held_since.get((update.sender, update.seq), 0.0) <= settled:
-                self.net.send(donor.learner.peer_id, peer.learner.peer_id, stored_envelope(update))
-    if not self._quiet():
-        self.queue.push(self.queue.now + self.sim.anti_entropy_s, self._anti_entropy)
 
 
 def micro(n: int = 50) -> dict:
@@ -161,7 +143,7 @@ def main() -> int:
     if args.old_intake:
         intake_module.claimed_sender = lambda data, run_id, spec_hash: None
     if args.old_sim:
-        AsyncSwarm._anti_entropy = anti_entropy_old  # type: ignore[method-assign]
+        AsyncSwarm.skip_banned_donors = False
     if args.dump_every_s:
         faulthandler.dump_traceback_later(args.dump_every_s, repeat=True)
     torch.set_num_threads(1)

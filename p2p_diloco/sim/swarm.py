@@ -89,6 +89,10 @@ class TokenBudget(Hooks):
 class AsyncSwarm:
     """p2p DiLoCo in one process. `run()` returns a `SimResult`."""
 
+    skip_banned_donors = True
+    """Anti-entropy never pulls from a peer the puller banned as an author (False: the old rule, for a benchmark's
+    before row: a hostile donor then re-offers its banned updates at every tick and the run never goes quiet)."""
+
     def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, *, progress: Progress | None = None) -> None:
         self.spec = spec.validate()
         self.sim = sim.validate()
@@ -204,7 +208,7 @@ class AsyncSwarm:
         for peer in alive:
             # Never from a peer it banned as an author (the real puller's rule, net/gossip/pulls.py): a hostile
             # peer re-offers its banned updates at every tick, and the swarm would never go quiet.
-            banned = peer.learner.replica.banned
+            banned = peer.learner.replica.banned if self.skip_banned_donors else frozenset()
             others = [p for p in alive if p is not peer and p.learner.peer_id not in banned]
             if not others:
                 continue
