@@ -250,11 +250,11 @@ class Puller:
                 if update is not None and outcome in _KEPT:
                     self.store.add(update)
                     new += 1
+                    self.stats["updates_new"] += 1  # counted as merged, not when the stream ends: readers race
                     if self._earned(update.sender):
                         self.ledger.gave(peer, 1, len(data))
                 else:
                     self._rejected(peer, outcome, update)
-        self.stats["updates_new"] += new
         return received, new
 
     def _earned(self, sender: str) -> bool:
