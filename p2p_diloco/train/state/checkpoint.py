@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from p2p_diloco.train.state.journal import TMP_PREFIX, fsync_dir
+from p2p_diloco.train.state.tensorfile import save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class CheckpointStore:
         tmp.mkdir()
         try:
             state = tmp / STATE_FILE
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(state))
+            save_tensors(tensors, state)  # streamed: no second copy of the state in memory
             _fsync_file(state)
             body = {"format": FORMAT, "format_version": FORMAT_VERSION, "number": number, "created_at": time.time(),
                     "files": {STATE_FILE: {"bytes": state.stat().st_size, "sha256": sha256_file(state)}},
