@@ -35,6 +35,8 @@ _MIN_SCALE = 2.0**-126
 # Slack on the blockwise bound for float32 rounding in x/scale and q*scale (a few ulps of qmax*scale, well
 # under 2**-12 of one scale step).
 _ROUNDING_SLACK = 2.0**-12
+_CHUNK_VALUES = 1 << 22
+"""Values quantized per chunk: the float temporary of `compress` stays 16 MB whatever the model's size."""
 
 
 class CodecError(ValueError):
@@ -53,6 +55,12 @@ class Codec:
     def decompress(self, data: Payload, numel: int) -> torch.Tensor:
         """Decode a payload of `numel` values to a new 1-D float32 CPU tensor; `CodecError` if malformed."""
         raise NotImplementedError
+
+    def decompress_range(self, data: Payload, numel: int, part: slice) -> torch.Tensor:
+        """Decode only values `part` (a slice with start and stop within numel) of a payload of `numel` values: a
+        sender's outer step decodes its own payload a chunk at a time (train/outer.py). Same values as
+        `decompress(data, numel)[part]`; this default decodes everything, the codecs below only the part."""
+        return self.decompress(data, numel)[part]
 
     def payload_bytes(self, numel: int) -> int:
         """The exact payload size for `numel` values."""
@@ -123,6 +131,12 @@ class Fp32Codec(Codec):
         out = torch.from_numpy(_frombuffer(data, "<f4", numel).astype(np.float32))
         return _finite_or_raise(out, self.name)
 
+    def decompress_range(self, data: Payload, numel: int, part: slice) -> torch.Tensor:
+        self._check_length(data, numel)
+        start, stop, _ = part.indices(numel)
+        out = torch.from_numpy(_frombuffer(data, "<f4", stop - start, offset=4 * start).astype(np.float32))
+        return _finite_or_raise(out, self.name)
+
     def payload_bytes(self, numel: int) -> int:
         return 4 * numel
 
@@ -147,6 +161,12 @@ class Fp16Codec(Codec):
     def decompress(self, data: Payload, numel: int) -> torch.Tensor:
         self._check_length(data, numel)
         half = torch.from_numpy(_frombuffer(data, "<f2", numel).astype(np.float16))
+        return _finite_or_raise(half.to(torch.float32), self.name)
+
+    def decompress_range(self, data: Payload, numel: int, part: slice) -> torch.Tensor:
+        self._check_length(data, numel)
+        start, stop, _ = part.indices(numel)
+        half = torch.from_numpy(_frombuffer(data, "<f2", stop - start, offset=2 * start).astype(np.float16))
         return _finite_or_raise(half.to(torch.float32), self.name)
 
     def payload_bytes(self, numel: int) -> int:
@@ -206,9 +226,11 @@ class BlockwiseCodec(Codec):
         full = n // b
         inv = torch.where(scale > 0, 1.0 / scale.clamp_min(_MIN_SCALE), torch.zeros_like(scale))
         q = torch.empty(n, dtype=torch.int8, device=x.device)
-        if full:
-            y = x[: full * b].view(full, b) * inv[:full, None]
-            q[: full * b].view(full, b).copy_(y.round_().clamp_(-self.qmax, self.qmax))
+        step = max(1, _CHUNK_VALUES // b)  # blocks per chunk: the float temporary stays chunk-sized
+        for lo in range(0, full, step):
+            hi = min(full, lo + step)
+            y = x[lo * b: hi * b].view(hi - lo, b) * inv[lo:hi, None]
+            q[lo * b: hi * b].view(hi - lo, b).copy_(y.round_().clamp_(-self.qmax, self.qmax))
         if n > full * b:
             q[full * b :].copy_((x[full * b :] * inv[-1]).round_().clamp_(-self.qmax, self.qmax))
         return q
@@ -260,6 +282,20 @@ class BlockwiseCodec(Codec):
         packed = _frombuffer(data, "u1", len(data) - 4 * nblocks, offset=4 * nblocks)
         # Finite scales can still overflow in q * scale (a crafted scale near float32's max), hence the check.
         return _finite_or_raise(self._dequantize(self._unpack(packed, numel), scale), self.name)
+
+    def decompress_range(self, data: Payload, numel: int, part: slice) -> torch.Tensor:
+        self._check_length(data, numel)
+        start, stop, _ = part.indices(numel)
+        b, nblocks = self.block, math.ceil(numel / self.block)
+        first, last = start // b, math.ceil(stop / b)  # the blocks that hold the part
+        scale = torch.from_numpy(_frombuffer(data, "<f4", last - first, offset=4 * first).astype(np.float32))
+        if last > first and not (_all_finite(scale) and bool(scale.min() >= 0)):
+            raise CodecError(f"{self.name}: block scales must be finite and non-negative")
+        lo, hi = first * b, min(numel, last * b)  # whole blocks (the last one may be the payload's partial one)
+        count = hi - lo if self.bits == 8 else math.ceil((hi - lo) / 2)
+        packed = _frombuffer(data, "u1", count, offset=4 * nblocks + lo * self.bits // 8)
+        values = self._dequantize(self._unpack(packed, hi - lo), scale)
+        return _finite_or_raise(values[start - lo: stop - lo], self.name)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         x = x.detach().to(torch.float32).contiguous()

@@ -174,3 +174,16 @@ def test_get_codec_errors() -> None:
     with pytest.raises(ValueError):
         get_codec("int8", 0)
     assert get_codec("int8", 255).payload_bytes(256) == 4 * 2 + 256
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["fp32", "fp16", "int8", "int4"]), st.sampled_from([2, 6, 64, 256]), st.integers(1, 3000),
+       st.data())
+def test_decompress_range_is_that_part_of_decompress(name, block, numel, data) -> None:
+    codec = get_codec(name, block)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    payload = codec.compress(x)
+    start = data.draw(st.integers(0, numel - 1))
+    stop = data.draw(st.integers(start + 1, numel))
+    assert torch.equal(codec.decompress_range(payload, numel, slice(start, stop)),
+                       codec.decompress(payload, numel)[start:stop])
