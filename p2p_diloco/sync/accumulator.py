@@ -3,6 +3,9 @@ rule 4 in sync/replica.py: the merge's result must be finite). Not thread-safe: 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -22,27 +25,49 @@ class Accumulator:
         # guard skip a full pass over theta until the bound gets near the float32 range.
         self._peak_bound = peak(self.theta)
 
-    def subtract(self, step: Tensor, bound: float) -> bool:
-        """theta -= step, unless the result would not be finite (False, theta unchanged); `bound` >= max|step|."""
+    def subtract(self, step: Tensor, bound: float, *, factor: float = 1.0, multiplier: float = 1.0) -> bool:
+        """theta -= (step * factor) * multiplier, unless the result would not be finite (False, theta unchanged);
+        `bound` >= max|step * factor|, multiplier <= 1. The product is made a chunk at a time, bit for bit the
+        whole one, so a merge needs no full-size temporary (ARCHITECTURE.md "Memory")."""
         if self._peak_bound + bound > _F32_MAX:
             self._peak_bound = peak(self.theta)  # the cheap bound is too loose; measure
         if self._peak_bound + bound > _F32_MAX:
-            trial = self.theta - step  # rare: the merge may overflow, so try it on a copy
-            if not bool(torch.isfinite(trial).all()):
+            trial = self.theta.clone()  # rare: the merge may overflow, so try it on a copy
+            for part, value in _chunks(step, factor, multiplier):
+                trial[part].sub_(value)
+            if not math.isfinite(peak(trial)):
                 return False
             self.theta.copy_(trial)
             self._peak_bound = peak(self.theta)
         else:
-            self.theta.sub_(step)
+            for part, value in _chunks(step, factor, multiplier):
+                self.theta[part].sub_(value)
             self._peak_bound += bound
         return True
 
-    def add(self, step: Tensor) -> None:
-        """theta += step (a merged step taken back)."""
-        self.theta.add_(step)
+    def add(self, step: Tensor, *, factor: float = 1.0, multiplier: float = 1.0) -> None:
+        """theta += (step * factor) * multiplier (a merged step taken back)."""
+        for part, value in _chunks(step, factor, multiplier):
+            self.theta[part].add_(value)
         self._peak_bound = peak(self.theta)
 
     def load(self, theta: Tensor) -> None:
         """Copy `theta` in (a checked, same-shape tensor) in place, so references to the live tensor stay valid."""
         self.theta.copy_(theta)
         self._peak_bound = peak(self.theta)
+
+
+CHUNK = 1 << 22
+"""Values per chunk of a merge's product (16 MB of float32)."""
+
+
+def _chunks(step: Tensor, factor: float, multiplier: float) -> Iterator[tuple[slice, Tensor]]:
+    """(slice, (step * factor) * multiplier on it): the same rounding as the whole product, a chunk at a time."""
+    for start in range(0, step.numel(), CHUNK):
+        part = slice(start, min(step.numel(), start + CHUNK))
+        value = step[part]
+        if factor != 1.0:
+            value = value * factor
+        if multiplier != 1.0:
+            value = value * multiplier
+        yield part, value

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from torch import Tensor
 
 from p2p_diloco.sync.accumulator import Accumulator
-from p2p_diloco.sync.probation import weighted
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, prepare, shaped_step
 from p2p_diloco.sync.slots import Slots
@@ -60,7 +59,8 @@ class MergeRule:
         standing = self.standing
         verdict = standing.judge(update.sender, update.seq, delta, clock()) if standing is not None else None
         multiplier = verdict.multiplier if verdict is not None else 1.0
-        if multiplier > 0 and not self.sum.subtract(weighted(scaled, multiplier), prepared.bound):
+        if multiplier > 0 and not self.sum.subtract(scaled, prepared.bound, factor=prepared.factor,
+                                                    multiplier=multiplier):
             slots.ban(update.sender, f"overflow seq={update.seq}")
             return MergeOutcome.REJECTED_NONFINITE, False
         late = slots.record(update, multiplier)
@@ -89,7 +89,7 @@ class MergeRule:
             vv = vv.without(update.sender, update.seq)  # may raise: before theta changes
         multiplier = slots.merged.multiplier(update.sender, update.seq)  # the weight it earned when merged
         if multiplier > 0:
-            self.sum.add(weighted(prepared.scaled, multiplier))
+            self.sum.add(prepared.scaled, factor=prepared.factor, multiplier=multiplier)
         slots.taken_back(update, vv, keep_slot=keep_slot)
         return True
 

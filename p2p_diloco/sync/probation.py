@@ -10,8 +10,6 @@ updates are worth a fraction while it is vetted.
 
 from __future__ import annotations
 
-from torch import Tensor
-
 
 def probation_multiplier(seq: int, probation: float) -> float:
     """The deterministic part: `probation * 2**(seq-1)`, capped at 1 (1 with probation >= 1)."""
@@ -19,7 +17,3 @@ def probation_multiplier(seq: int, probation: float) -> float:
         return 1.0
     return min(1.0, probation * 2.0 ** (max(1, seq) - 1))
 
-
-def weighted(step: Tensor, multiplier: float) -> Tensor:
-    """`step` at `multiplier` of its weight (itself at 1). A bound on `step` still bounds the result (m <= 1)."""
-    return step if multiplier == 1.0 else step * multiplier

@@ -16,6 +16,10 @@ from torch import Tensor
 
 REFERENCE_DECAY = 0.7
 """Weight of the old reference when a payload in good standing is folded in (about the last 3 updates)."""
+REFERENCE_SAMPLE = 1 << 20
+"""Coordinates the reference keeps (4 MB): all of a smaller model's; of a larger one, this many fixed random
+coordinates, the same on every replica. A direction needs no full-size vector: the cosine over a million random
+coordinates is within ~0.001 of the full one, and a full copy would cost every replica 4 bytes per parameter."""
 NORM_DECAY = 0.9
 """The reference norm is a decaying maximum of the norms folded in: honest norms grow during warm-up and jump
 after a restart, and an average lags behind them (an honest update measured 3.1x an average in a test)."""
@@ -25,17 +29,28 @@ class Reference:
     """The reference direction (None until the first payload in good standing) and its decaying peak norm."""
 
     def __init__(self) -> None:
-        self.vector: Tensor | None = None
-        self.norm = 0.0  # decaying maximum of the norms of the payloads folded into the reference
+        self.vector: Tensor | None = None  # over `at`'s coordinates (all of them for a small model)
+        self.norm = 0.0  # decaying maximum of the (full) norms of the payloads folded into the reference
+        self.at: Tensor | None = None
+
+    def _sample(self, delta: Tensor) -> Tensor:
+        n = delta.numel()
+        if n <= REFERENCE_SAMPLE:
+            return delta
+        if self.at is None or int(self.at.max()) >= n:
+            g = torch.Generator().manual_seed(0)  # fixed: every replica keeps the same coordinates
+            self.at = torch.randint(0, n, (REFERENCE_SAMPLE,), generator=g)  # not randperm: 8 B/param
+        return delta[self.at]
 
     def compare(self, delta: Tensor) -> tuple[float, float]:
         """(cosine of `delta` with the reference, its norm over the reference norm); 1.0 where a norm is 0."""
         if self.vector is None:
             raise ValueError("no reference yet: nothing to compare with")
-        norm = float(delta.norm())
+        sample = self._sample(delta)
+        norm, sample_norm = float(delta.norm()), float(sample.norm())
         ref_norm = float(self.vector.norm())
-        agreement = float(torch.dot(delta, self.vector)) / (norm * ref_norm) if norm > 0 and ref_norm > 0 \
-            else 1.0
+        agreement = float(torch.dot(sample, self.vector)) / (sample_norm * ref_norm) \
+            if sample_norm > 0 and ref_norm > 0 else 1.0
         ratio = norm / self.norm if self.norm > 0 else 1.0
         return agreement, ratio
 
@@ -44,8 +59,9 @@ class Reference:
         norm = float(delta.norm())
         if not (norm > 0 and math.isfinite(norm)):
             return
+        sample = self._sample(delta.detach())
         if self.vector is None:
-            self.vector, self.norm = delta.detach().clone(), norm
+            self.vector, self.norm = sample.clone(), norm
             return
-        self.vector.mul_(REFERENCE_DECAY).add_(delta, alpha=1.0 - REFERENCE_DECAY)
+        self.vector.mul_(REFERENCE_DECAY).add_(sample, alpha=1.0 - REFERENCE_DECAY)
         self.norm = max(norm, NORM_DECAY * self.norm)

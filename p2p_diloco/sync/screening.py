@@ -17,6 +17,9 @@ from p2p_diloco.wire.codecs import Codec
 
 logger = logging.getLogger(__name__)
 
+_F32_OVERFLOW = 2.0**128 - 2.0**103
+"""The smallest exact product that float32 rounding (to nearest) makes infinite."""
+
 
 @dataclass
 class Prepared:
@@ -25,14 +28,15 @@ class Prepared:
     delta: Tensor | None = None
     scaled: Tensor | None = None  # None with no rejection: shaped under the lock (centered_clip), or screen only
     scale: float = 0.0
-    bound: float = 0.0  # max |scaled_i|
+    bound: float = 0.0  # >= max |scaled_i * factor|
+    factor: float = 1.0  # the step merged is `scaled * factor` element by element (1: `scaled` is the step)
     rejection: MergeOutcome | None = None
 
 
 def check_theta(theta: Tensor) -> None:
     if not isinstance(theta, Tensor) or theta.dim() != 1 or theta.dtype != torch.float32:
         raise ValueError("theta must be a 1-D float32 tensor (all parameters flattened)")
-    if not bool(torch.isfinite(theta).all()):
+    if not math.isfinite(peak(theta)):
         raise ValueError("theta must be all finite")
 
 
@@ -70,7 +74,7 @@ def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePol
     if not isinstance(delta, Tensor) or delta.shape != theta.shape:
         return Prepared(rejection=MergeOutcome.REJECTED_INVALID)
     delta = delta.detach().to(device=theta.device, dtype=torch.float32)
-    if not bool(torch.isfinite(delta).all()):
+    if not math.isfinite(peak(delta)):
         return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
     if policy.screen(delta):
         return Prepared(rejection=MergeOutcome.REJECTED_NORM)
@@ -81,7 +85,17 @@ def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePol
 
 def shaped_step(delta: Tensor, scale: float, policy: MergePolicy) -> Prepared:
     """The step a merge subtracts: `scale * shape(delta)`, or REJECTED_NONFINITE if that overflows."""
-    step = policy.shape(delta) * scale  # a new tensor: the decoder may return a buffer it owns
-    if not bool(torch.isfinite(step).all()):  # lr * w * delta can overflow float32
+    shaped = policy.shape(delta)
+    if shaped is delta:
+        # The step is delta * scale, left unmade: the merge makes it a chunk at a time (sync/accumulator.py),
+        # bit for bit, so the standing and the policy still read delta and no full-size step ever exists.
+        # torch multiplies float32 by the scale rounded to float32; a product of two float32 values is exact
+        # in a double, so this is the overflow test the whole step's isfinite would make.
+        top = peak(delta) * float(torch.tensor(scale, dtype=torch.float32))
+        if not top < _F32_OVERFLOW:
+            return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
+        return Prepared(delta=delta, scaled=delta, factor=scale, scale=scale, bound=top * (1 + 2.0**-22))
+    step = shaped.mul_(scale)  # the policy made a new tensor (a clip): scale it in place
+    if not math.isfinite(peak(step)):  # lr * w * delta can overflow float32
         return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
     return Prepared(delta=delta, scaled=step, scale=scale, bound=peak(step))
