@@ -24,15 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "train" / "unit_worker.py"  # shared with the test
 
 
-def run(ranks: int, threads: int, out: Path, args) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "UNIT_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+def launch(ranks: int, out: Path, args, env: dict[str, str]) -> tuple[dict, subprocess.CompletedProcess]:
+    """The unit worker as `ranks` processes (torchrun when > 1): its stats line, and the finished process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     prefix = [sys.executable] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     cmd = [*prefix, str(WORKER), str(out), args.arch, "0", str(args.rounds), str(args.inner_steps), args.preset]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc
+
+
+def run(ranks: int, threads: int, out: Path, args) -> dict:
+    stats, _ = launch(ranks, out, args, {"OMP_NUM_THREADS": str(threads), "UNIT_THREADS": str(threads)})
     return {"ranks": ranks, "threads_per_rank": threads, **stats, "updates": load_file(str(out))}
 
 

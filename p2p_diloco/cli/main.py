@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     from p2p_diloco.cli.invite import add_invite_commands  # invite, revoke: runs that admit by invitation
 
     add_invite_commands(sub)
+    from p2p_diloco.cli.plan import add_plan_command  # plan: the memory a unit needs, and whether it fits
+
+    add_plan_command(sub)
     return parser
 
 

@@ -79,8 +79,13 @@ def cmd_join(args: argparse.Namespace) -> int:
         return _fail("join", err)
     # torch and hivemind only now: a mistake in the options or the --config file answers in half a second, not 5.
     from p2p_diloco.config import ConfigError
+    from p2p_diloco.train.hardware.memory_fit import check_join_memory
     from p2p_diloco.train.hardware.unit import is_follower
 
+    try:
+        config = check_join_memory(config)  # spec resolved; a unit that will not fit is refused before it starts
+    except ConfigError as err:
+        return _fail("join", err)
     helpers = []
     if config.training.gpus > 1 and "WORLD_SIZE" not in os.environ:
         try:
@@ -170,7 +175,8 @@ def _follow(config: Any) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from p2p_diloco.train.data.resolve import resolve_spec
     from p2p_diloco.train.hardware.compute import Compute
-    from p2p_diloco.train.hardware.unit import RankGroup, follow, unit_device
+    from p2p_diloco.train.hardware.unit import follow, unit_device
+    from p2p_diloco.train.hardware.units import rank_group
 
     cfg = config.training
     if cfg.torch_threads:
@@ -178,11 +184,12 @@ def _follow(config: Any) -> int:
     spec = resolve_spec(config.spec)
     device = unit_device(cfg.device)
     compute = Compute.for_training(cfg, device)
-    unit = RankGroup(device)
+    unit = rank_group(device, cfg.parallel)
     try:
-        follow(spec, unit, compute, device)
+        steps = follow(spec, unit, compute, device)
     finally:
         unit.close()
+    print(f"rank {unit.rank} of {unit.world}: {steps} inner steps, then rank 0 said stop", flush=True)
     return 0
 
 

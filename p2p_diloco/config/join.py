@@ -34,9 +34,16 @@ class TrainingConfig:
     """Recompute activations in backward instead of keeping them: less memory, ~30% more compute."""
     compile: bool = False
     """torch.compile the model for the inner steps: faster steps on GPUs after a minute of compiling."""
+    memory_check: bool = True
+    """Refuse to start when the memory plan (`p2p-diloco plan`) says the unit will not fit this machine's free
+    device and host memory; false starts anyway."""
     gpus: int = 0
     """Run this unit as N processes (one per GPU; on a CPU, N gloo processes): this one becomes rank 0 and speaks
     to the swarm, all N train (0 or 1: one process; torchrun --nproc-per-node N -m p2p_diloco join ... works too)."""
+    parallel: str = "ddp"
+    """How a unit of several processes (--gpus N / torchrun) splits the model: ddp (a full copy of the model, its
+    gradients and AdamW state on every rank) or fsdp (each rank holds 1/N of them: for a model that does not fit
+    one device; the inner AdamW state is then not checkpointed)."""
     torch_threads: int = 0
     """CPU threads for torch (0: torch's default; 1 when several peers share a machine)."""
     shard: int = -1
@@ -71,6 +78,7 @@ class TrainingConfig:
                 f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
         require(self.micro_batch >= 0, f"micro_batch must be >= 0, got {self.micro_batch}")
         require(self.gpus >= 0, f"gpus must be >= 0, got {self.gpus}")
+        require(self.parallel in ("ddp", "fsdp"), f"parallel must be ddp or fsdp, got {self.parallel!r}")
         require(1 <= self.max_stretch <= 64, f"max_stretch must be in [1, 64], got {self.max_stretch}")
         require(self.stretch_backlog >= 1, f"stretch_backlog must be >= 1, got {self.stretch_backlog}")
         return self

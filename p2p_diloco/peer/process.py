@@ -52,7 +52,8 @@ from p2p_diloco.peer.status import PeerStatus
 from p2p_diloco.train.data.corpus import eval_batches
 from p2p_diloco.train.data.resolve import load_training_data, resolve_spec
 from p2p_diloco.train.hardware.compute import Compute
-from p2p_diloco.train.hardware.unit import RankGroup, unit_device
+from p2p_diloco.train.hardware.unit import unit_device
+from p2p_diloco.train.hardware.units import unit_from_env
 from p2p_diloco.train.learner import Learner
 from p2p_diloco.train.loop import RoundDone, Schedule, rounds
 from p2p_diloco.wire.identity import Identity
@@ -136,8 +137,9 @@ class Peer:
         shard = cfg.shard if cfg.shard >= 0 else shard_for(identity.peer_id, cfg.num_shards)
         corpus = load_training_data(self.spec.data, block_size=self.spec.model.block_size)
         compute = Compute.for_training(cfg, self.device)
+        unit = unit_from_env(self.device, cfg.parallel)  # one process, or DDP/FSDP over torchrun's ranks
         learner = self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
-                                         device=self.device, compute=compute, unit=RankGroup.from_env(self.device),
+                                         device=self.device, compute=compute, unit=unit,
                                          stream=identity.peer_id)  # peers that drew one shard: other batches
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,
                                      batch_size=self.spec.data.batch_size, num_batches=cfg.eval_batches)

@@ -152,8 +152,8 @@ class PeerReport(Hooks):
         """The final eval, counters and state (written to `out_dir` if given)."""
         learner, counters = self.learner, self.network.counters
         sent = counters.get("bytes_sent", 0)
-        theta, vv = learner.replica.snapshot()
         eval_loss = learner.evaluate(self.eval_set)
+        theta, vv = learner.theta_copy()  # after the eval, which may use the same buffer
         final = {"peer_id": learner.peer_id, "round": at_round, "step": learner.step,
                  "eval_loss": eval_loss, "vv_total": vv.total(), "vv_digest": vv.digest().hex()[:16],
                  "bytes_sent": sent, "bytes_received": counters.get("bytes_received", 0),

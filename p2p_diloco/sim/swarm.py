@@ -31,8 +31,9 @@ from p2p_diloco.sync.types import UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data.corpus import Corpus, eval_batches
 from p2p_diloco.train.hardware.device import resolve_device
-from p2p_diloco.train.learner import Learner, Phase, SwarmView
+from p2p_diloco.train.learner import Learner, SwarmView
 from p2p_diloco.train.loop import Hooks, PhaseBegun, RoundDone, Schedule, Tick, rounds
+from p2p_diloco.train.phase import Phase
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 from p2p_diloco.wire.identity import Identity
 

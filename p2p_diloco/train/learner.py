@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,70 +39,19 @@ from p2p_diloco.config import RunSpec
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.train.data.corpus import Corpus, ShardSampler, evaluate
+from p2p_diloco.train.data.corpus import Corpus, evaluate
 from p2p_diloco.train.hardware.compute import Compute
 from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.hardware.unit import SoloUnit
 from p2p_diloco.train.inner import InnerResult, inner_step, lr_at, make_inner_optimizer
 from p2p_diloco.train.models.build import build_model, flat_params, load_flat_params
-from p2p_diloco.train.outer import OuterState, outer_update, pseudo_gradient, update_weight
+from p2p_diloco.train.outer import OuterState, outer_update, update_weight
+from p2p_diloco.train.phase import Phase, make_sampler, swarm_rounds
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, make_update
 from p2p_diloco.wire.identity import Identity
 
 logger = logging.getLogger(__name__)
-
-
-def swarm_rounds(vv: VersionVector) -> float:
-    """How many rounds a unit of the swarm has done, from a version vector: the mean of the senders' counts,
-    weighted by those counts (sum c^2 / sum c). Equal counts give that count. A sender with few updates (a
-    joiner, a fresh identity, a unit that left early) weighs by what it did: a newcomer with one update moves
-    n established senders' clock by less than 1/n of a round (with a plain mean: by c/n), while a unit 4x
-    slower still pulls it down by its share."""
-    counts = [c for _, c in vv.items() if c > 0]
-    total = sum(counts)
-    return sum(c * c for c in counts) / total if total else 0.0
-
-
-def make_sampler(corpus: Corpus | Any, spec: RunSpec, peer_id: str, *, shard: int, num_shards: int,
-                 stream: str = ""):
-    """The unit's data stream: a byte corpus is cut into `num_shards` shards (train/data/corpus.py); a token
-    dataset is read window by window in this unit's own shuffle per epoch, keyed by the PeerID
-    (train/data/tokens.py WalkSampler)."""
-    if getattr(corpus, "tokenizer_fingerprint", None) is not None:
-        from p2p_diloco.train.data.tokens import WalkSampler
-
-        return WalkSampler(corpus.train, peer_id=peer_id, block_size=spec.model.block_size,
-                           batch_size=spec.data.batch_size, seed=spec.seed, inner_steps=spec.inner.inner_steps)
-    return ShardSampler(corpus.train, shard=shard, num_shards=num_shards, block_size=spec.model.block_size,
-                        batch_size=spec.data.batch_size, seed=spec.seed, stream=stream)
-
-
-@dataclass
-class Phase:
-    """One inner phase in progress.
-
-    `base` is the replica state phi was last rebased onto and `version_vector` its vector: remote updates
-    that reach the replica mid-phase are added to phi too between inner steps (`_rebase`), so the local model
-    tracks the swarm instead of re-learning what others already published. The pseudo-gradient
-    `base - phi` stays this unit's own progress, and its staleness is only what arrived since the last rebase.
-    """
-
-    base: torch.Tensor
-    version_vector: VersionVector
-    started_at: float
-    steps_done: int = 0
-    samples: int = 0
-    losses: list[float] = field(default_factory=list)
-    compute_s: float = 0.0
-    rebases: int = 0
-    swarm_rounds: float = 0.0  # `swarm_rounds` of the replica's vector when the phase began (the lr clock's base)
-    target_steps: int = 0  # the phase's length: H, or k*H once the round loop stretched it (train/loop.py)
-
-    def result(self) -> InnerResult:
-        return InnerResult(steps=self.steps_done, samples=self.samples,
-                           mean_loss=sum(self.losses) / max(1, len(self.losses)),
-                           last_loss=self.losses[-1] if self.losses else float("nan"), compute_s=self.compute_s)
 
 
 @dataclass
@@ -128,10 +77,10 @@ class Learner:
         theta = flat_params(self.model)
         # The parameters stay float32 on the device (master weights); `compute` runs the forward and backward in
         # bf16/fp16 autocast where asked (train/hardware/compute.py).
-        self.model.to(self.device)
+        self.unit = unit or SoloUnit()  # a torchrun unit of several processes: train/hardware/unit.py
+        self.unit.place(self.model, self.device)  # in place; an FSDP unit moves it block by block in `wrap`
         self.compute = compute or Compute(device=self.device)
         self.compute.prepare(self.model)
-        self.unit = unit or SoloUnit()  # a torchrun unit of several processes: train/hardware/unit.py
         if self.unit.world > 1:
             self.unit.agree(spec.spec_hash(), "the run's spec")
             self.unit.check_batch(spec.data.batch_size)
@@ -154,16 +103,27 @@ class Learner:
         # server serves, or published): the checkpoint journal. None: no restart support.
         self.persist_update: Callable[[OuterUpdate], None] | None = None
         self.history: list[dict] = []
-        self._eval_model: torch.nn.Module | None = None
+        self._eval_model: torch.nn.Module | None = None  # only for an evaluation in the middle of a phase
+        # The phase's base point: one host vector for the learner's life, not one per phase. `finish_phase` turns
+        # it into the update in place, so a unit holds theta, base, m and e on the host and nothing else
+        # full-size (ARCHITECTURE.md "Memory").
+        self._base = torch.empty(0)
+        self.in_phase = False
 
     # ---- the round loop, in three named parts so a caller can interleave the network ----------------
 
     def begin_phase(self) -> Phase:
-        theta, vv = self.replica.snapshot()
-        load_flat_params(self.model, theta)
+        if self._base.numel() != self.numel:
+            self._base = torch.empty(self.numel)
+        base = self._base
+        with self.replica.lock:  # theta and V as one; copied straight into phi and base, no snapshot between
+            theta, vv = self.replica.theta, self.replica.version_vector
+            base.copy_(theta)
+        self.unit.set_params(self.model, lambda s: base[s])
         self._params_changed = True
+        self.in_phase = True
         # The lr clock's base once per phase, not per inner step: it walks every sender the vector holds.
-        return Phase(base=theta, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv),
+        return Phase(base=base, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv),
                      target_steps=self.spec.inner.inner_steps)
 
     def run_inner(self, phase: Phase, steps: int | None = None) -> InnerResult:
@@ -191,6 +151,9 @@ class Learner:
             phase.samples += x.shape[0]  # the unit's whole batch, over all its processes
             phase.steps_done += 1
             self.step += 1
+        # Free the gradients now, not at the next step's zero_grad: the end of a phase (pseudo-gradient, outer
+        # step, codec, merge) and a checkpoint then have their 4 bytes per parameter.
+        self.optimizer.zero_grad(set_to_none=True)
         phase.compute_s += time.perf_counter() - t0
         return phase.result()
 
@@ -205,12 +168,20 @@ class Learner:
         return int(phase.swarm_rounds * self.spec.inner.inner_steps) + phase.steps_done
 
     def _rebase(self, phase: Phase) -> None:
-        """phi += theta_now - base: apply the remote updates merged since the last rebase to the local model."""
-        theta, vv = self.replica.snapshot()
-        moved = (theta - phase.base).to(self.device)  # the difference on the CPU, where theta lives
-        load_flat_params(self.model, flat_params(self.model).add_(moved))
+        """phi += theta_now - base; base <- theta_now: apply the remote updates merged since the last rebase to
+        the local model, one parameter at a time (the difference on the CPU, where theta lives)."""
+        base = phase.base
+
+        def moved(s: slice) -> torch.Tensor:
+            step = theta[s] - base[s]
+            base[s] = theta[s]
+            return step
+
+        with self.replica.lock:
+            theta, vv = self.replica.theta, self.replica.version_vector
+            self.unit.set_params(self.model, moved, add=True)
         self._params_changed = True
-        phase.base, phase.version_vector = theta, vv
+        phase.version_vector = vv
         phase.rebases += 1
 
     def may_stretch(self, phase: Phase, more: int) -> bool:
@@ -222,11 +193,15 @@ class Learner:
         return rounds * self.round_weight <= self.spec.outer.max_weight
 
     def finish_phase(self, phase: Phase, result: InnerResult, swarm: SwarmView) -> OuterUpdate:
-        """Pseudo-gradient -> outer update, signed, merged into our own replica; the caller publishes it."""
-        phi = flat_params(self.model).cpu()  # the pseudo-gradient and all after it: CPU, float32
-        delta = pseudo_gradient(phase.base, phi)
+        """Pseudo-gradient -> outer update, signed, merged into our own replica; the caller publishes it.
+        The phase's base becomes the pseudo-gradient, then the decoded update, in place: read `phase.base` before."""
+        delta = phase.base  # the pseudo-gradient and all after it: CPU, float32
+        for s, phi in self.unit.each_param(self.model):
+            delta[s].sub_(phi)  # base - phi (train/outer.py `pseudo_gradient`), one parameter at a time
+        self.in_phase = False
         stretch = max(1, result.steps // self.spec.inner.inner_steps)
-        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch)
+        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch,
+                                        consume=True)
         tau = self.replica.version_vector.staleness(phase.version_vector)
         # A phase stretched to k*H steps (train/loop.py) is k rounds: it signs all its samples and weighs k rounds'
         # share; its payload is the mean of the k rounds' Nesterov outputs (train/outer.py `outer_update`).
@@ -259,11 +234,15 @@ class Learner:
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON-able meta): everything a restart needs. Call between phases (phi is not saved: the
-        next phase starts from theta). theta and V come from one snapshot, so V names exactly what theta holds."""
-        theta, vv = self.replica.snapshot()
+        next phase starts from theta). theta and V come from one snapshot, so V names exactly what theta holds.
+        The tensors are the learner's own (m, e, the AdamW state; theta's copy in the base buffer, free between
+        phases): write them before the next phase begins."""
+        theta, vv = self.theta_copy()
         tensors = {"theta": theta, "rng.cpu": torch.get_rng_state()}
-        tensors.update({f"outer.{k}": v for k, v in self.outer_state.state_dict().items()})
-        for index, state in self.optimizer.state_dict()["state"].items():
+        tensors.update({"outer.momentum": self.outer_state.momentum, "outer.error": self.outer_state.error})
+        # An FSDP unit's AdamW state is sharded over its ranks: not saved, a restart starts a fresh one.
+        inner = self.optimizer.state_dict()["state"] if self.unit.saves_optimizer_state else {}
+        for index, state in inner.items():
             for name, value in state.items():
                 if not torch.is_tensor(value):
                     raise TypeError(f"inner optimizer state {index}.{name} is not a tensor: {type(value).__name__}")
@@ -301,7 +280,7 @@ class Learner:
         self.outer_state.load_state_dict({"momentum": tensors["outer.momentum"], "error": tensors["outer.error"]})
         self.optimizer.load_state_dict({"state": inner, "param_groups": param_groups})  # moved to the device
         self._optimizer_changed = True
-        self.replica.load(tensors["theta"].clone(), vv)
+        self.replica.load(tensors["theta"], vv)  # copied into the live theta
         self.step = step
         self.last_seq = max(last_seq, vv.get(self.peer_id))
         torch.set_rng_state(rng)
@@ -334,10 +313,30 @@ class Learner:
         return rounds
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Eval loss of the replica (not of phi), on a model of its own (on the device; `evaluate` moves the
-        batches there) so it is safe mid-phase."""
-        if self._eval_model is None:
-            self._eval_model = build_model(self.spec.model, self.spec.seed).to(self.device)
-        theta, _ = self.replica.snapshot()
-        load_flat_params(self._eval_model, theta)
-        return evaluate(self._eval_model, batches)
+        """Eval loss of the replica (not of phi). Between phases on the local model itself (the next phase loads
+        theta into it anyway), so a unit holds no second model; in the middle of a phase (the simulator's clock
+        may ask then) on a model of its own, so phi is left as it was."""
+        if self.in_phase:
+            if self._eval_model is None:
+                self._eval_model = build_model(self.spec.model, self.spec.seed).to(self.device)
+            model = self._eval_model
+            theta, _ = self.replica.snapshot()
+            load_flat_params(model, theta)
+        else:
+            model = self.model
+            theta, _ = self.theta_copy()
+            self.unit.set_params(model, lambda s: theta[s])
+            self._params_changed = True
+            return self.unit.evaluate(model, batches)  # sharded: a forward every rank of the unit joins
+        return evaluate(model, batches)
+
+    def theta_copy(self) -> tuple[torch.Tensor, VersionVector]:
+        """(theta, V) as one, copied into the base buffer, which is free between phases (no new full-size tensor):
+        valid until the next phase or `theta_copy` (mid-phase: a snapshot of its own)."""
+        if self.in_phase:
+            return self.replica.snapshot()
+        if self._base.numel() != self.numel:
+            self._base = torch.empty(self.numel)
+        with self.replica.lock:
+            self._base.copy_(self.replica.theta)
+            return self._base, self.replica.version_vector

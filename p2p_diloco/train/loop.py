@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # light at import time (the peer process imports this before torch is needed)
     from p2p_diloco.train.exchange import Exchange
     from p2p_diloco.train.inner import InnerResult
-    from p2p_diloco.train.learner import Learner, Phase, SwarmView
+    from p2p_diloco.train.learner import Learner, SwarmView
+    from p2p_diloco.train.phase import Phase
     from p2p_diloco.wire.envelope import OuterUpdate
 
 
@@ -192,6 +193,9 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
         if schedule.checkpoint_every and round_ % schedule.checkpoint_every == 0:
             hooks.checkpoint(round_)
         yield done
+        # The update's payload lives on in the exchange's store (once); this frame's copy would stay through the
+        # whole next phase, a byte per parameter, until the next update rebinds the name.
+        del update, done
     return "stop" if stop.is_set() else "rounds"
 
 

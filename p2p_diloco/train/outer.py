@@ -13,6 +13,7 @@ added to the next round's update, so nothing is lost for good, only delayed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +65,23 @@ class OuterState:
         self.error.zero_()
 
 
+CHUNK = 1 << 22
+"""Values per chunk of the outer step's element-wise work (16 MB of float32): its temporaries stay this size
+whatever the model's, so the end of a phase needs no full-size scratch vector (ARCHITECTURE.md "Memory")."""
+
+
+def chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
 def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec,
-                 rounds: int = 1) -> tuple[bytes, torch.Tensor]:
+                 rounds: int = 1, *, consume: bool = False) -> tuple[bytes, torch.Tensor]:
     """Apply momentum and compression to a pseudo-gradient; returns (payload, decompressed payload).
 
-    The sender merges the decompressed payload into its own replica, exactly what receivers get.
+    The sender merges the decompressed payload into its own replica, exactly what receivers get. With `consume`
+    the work is done in `delta`'s own buffer, which ends holding the decompressed payload (returned): no
+    full-size temporary but one parameter-sized chunk at a time. The arithmetic is the same either way.
 
     `rounds` = k > 1: a phase stretched to k*H steps (train/loop.py) stands for k rounds. The momentum runs k
     outer rounds on delta/k each, and the payload is the mean of their k Nesterov outputs, signed with k rounds'
@@ -76,25 +89,38 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
     `m` ends as after k rounds, and the payload stays inside the bound on one round's honest update
     (sync/robust.py). The carried error `e` is kept in one round's units (the payload weighs k times more).
     """
-    mu = cfg.momentum
-    if rounds > 1:
-        part, d = delta / rounds, torch.zeros_like(delta)
+    d = delta if consume else delta.clone()
+    mu, m, e = cfg.momentum, state.momentum, state.error
+    if rounds > 1:  # a stretched phase (rare): one more full-size vector for the sum of the k outputs
+        part, total = d.div_(rounds), torch.zeros_like(d)
         for _ in range(rounds):
-            state.momentum.mul_(mu).add_(part)
-            d.add_(part + mu * state.momentum if cfg.nesterov else state.momentum)
-        d.div_(rounds)
+            for c in chunks(d.numel()):
+                m[c].mul_(mu).add_(part[c])
+                total[c].add_(part[c] + mu * m[c] if cfg.nesterov else m[c])
+        d.copy_(total.div_(rounds))
+        del total
     else:
-        state.momentum.mul_(mu).add_(delta)
-        d = delta + mu * state.momentum if cfg.nesterov else state.momentum.clone()
+        for c in chunks(d.numel()):
+            m[c].mul_(mu).add_(d[c])
+            if cfg.nesterov:
+                d[c].add_(mu * m[c])
+            else:
+                d[c].copy_(m[c])
     if cfg.error_feedback:
-        d.add_(state.error if rounds == 1 else state.error / rounds)
+        for c in chunks(d.numel()):
+            d[c].add_(e[c] if rounds == 1 else e[c] / rounds)
     payload = codec.compress(d)
-    decoded = codec.decompress(payload, d.numel())
     if cfg.error_feedback:
-        state.error.copy_(d - decoded)
+        # e <- d - decoded, and d <- decoded, a chunk at a time: d's buffer ends as the decoded payload.
+        for c in chunks(d.numel()):
+            decoded = codec.decompress_range(payload, d.numel(), c)
+            torch.sub(d[c], decoded, out=e[c])
+            d[c].copy_(decoded)
         if rounds > 1:
-            state.error.mul_(rounds)
-    return payload, decoded
+            e.mul_(rounds)
+    else:
+        d.copy_(codec.decompress(payload, d.numel()))
+    return payload, d
 
 
 def update_weight(samples: int, swarm_samples_per_round: float, tau: int, num_peers: int, cfg: OuterConfig) -> float:

@@ -291,7 +291,8 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
     was_training = model.training
     model.eval()
     try:
-        losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
+        with torch.no_grad():  # no graph: an evaluation holds no activations for a backward that never comes
+            losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)

@@ -8,20 +8,23 @@ whether the parameters or the AdamW state changed) and the unit's batch; every r
 parameters. So phi is equal on every rank, and the update rank 0 computes from it is the update a one-process
 unit would compute from the same batches (up to the order of float additions).
 
-Rank 0 sends the parameters (flat, float32) after it changed them: the start of a phase (phi <- theta) and a
+Rank 0 sends the parameters (one at a time) after it changed them: the start of a phase (phi <- theta) and a
 rebase; it sends its AdamW state after loading a checkpoint. Nothing else crosses between ranks: the replica, the
 version vector and everything on the wire stay on rank 0. The data needs no agreement either: the batch comes
 from rank 0's sampler.
 
-`SoloUnit` is the one-process unit (every call a no-op); the learner always goes through one of the two.
+`SoloUnit` is the one-process unit (every call a no-op); the learner always goes through one of the two, or
+through `ShardedUnit` (train/hardware/sharded.py), whose ranks shard the model instead of each holding a copy;
+train/hardware/units.py picks one.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,7 @@ from p2p_diloco.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-STEP, STOP = 1.0, 0.0
+STEP, STOP = 1.0, 0.0  # rank 0's commands; an FSDP unit adds its own (train/hardware/sharded.py)
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 """How long a training rank waits for rank 0's next command: rank 0 may state-sync, checkpoint or linger between
 phases. A rank 0 that dies ends the wait sooner: its sockets close and torchrun stops the whole unit."""
@@ -62,6 +65,10 @@ class SoloUnit:
 
     rank, world = 0, 1
 
+    def place(self, model: nn.Module, device: str) -> nn.Module:
+        """The model (built on the host) on this rank's device, before `wrap`."""
+        return model.to(device)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -77,6 +84,35 @@ class SoloUnit:
 
     def no_sync(self, model: nn.Module) -> Callable | None:
         return None
+
+    # ---- the unit's parameters as one flat float32 vector on the host, one parameter at a time ----------------
+    # The replica, the phase's base point and the outer state are flat CPU vectors; the model's parameters live
+    # on the device (sharded, in an FSDP unit). These two walk them together with no full-size copy on either
+    # side: the largest temporary is one parameter.
+
+    def set_params(self, model: nn.Module, source: Callable[[slice], torch.Tensor], *, add: bool = False) -> None:
+        """Rank 0: set every parameter to `source(s)` (or add it), where `s` is the parameter's slice of the flat
+        vector and `source` returns that many float32 values on the host. The unit's other processes receive the
+        parameters before the next step (`lead_step(params_changed=True)`)."""
+        with torch.no_grad():
+            for s, param in flat_slices(model):
+                value = source(s).to(param.device).view_as(param)
+                param.add_(value) if add else param.copy_(value)
+
+    def each_param(self, model: nn.Module) -> Iterator[tuple[slice, torch.Tensor]]:
+        """Rank 0: (slice of the flat vector, the parameter's full float32 values on the host), one at a time."""
+        for s, param in flat_slices(model):
+            yield s, param.detach().reshape(-1).float().cpu()
+
+    def evaluate(self, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Rank 0: the mean loss of `model` (the unit's own, unwrapped) over `batches`; in a sharded unit a
+        forward every rank joins."""
+        from p2p_diloco.train.data.corpus import evaluate
+
+        return evaluate(model, batches)
+
+    saves_optimizer_state = True
+    """Whether a checkpoint holds the inner AdamW state (a sharded unit's restarts with a fresh one)."""
 
     def step_done(self) -> None:
         pass
@@ -98,23 +134,20 @@ class RankGroup(SoloUnit):
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(device)  # NCCL's object collectives use the current device: ours, not cuda:0
+        else:  # a unit across hosts: gloo's address must be one the other hosts reach (train/hardware/unit_network.py)
+            from p2p_diloco.train.hardware.unit_network import pick_gloo_interface
+            pick_gloo_interface()
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
         self.comm = torch.device(device) if backend == "nccl" else torch.device("cpu")
         self.stopped = False
         self.in_step = False  # a step's collectives are under way (the others are inside them)
 
-    @staticmethod
-    def from_env(device: str) -> SoloUnit:
-        """A RankGroup under torchrun with WORLD_SIZE > 1, else the solo unit."""
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return SoloUnit()
-        return RankGroup(device)
-
     def wrap(self, model: nn.Module) -> nn.Module:
         # DDP broadcasts rank 0's parameters at construction: every rank starts equal.
         ids = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # Gradients as views into DDP's all-reduce buckets: without it every rank holds them twice (4 B/parameter).
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     def check_batch(self, batch_size: int) -> None:
         if batch_size % self.world:
@@ -141,16 +174,24 @@ class RankGroup(SoloUnit):
         return self._rows(batch)
 
     def follow_step(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        """Ranks > 0: the next command: None at stop, else (lr, this rank's rows)."""
-        command = torch.empty(6, dtype=torch.float64, device=self.comm)
-        dist.broadcast(command, 0)
-        cmd, params_changed, optimizer_changed, b, t, lr = command.tolist()
+        """Ranks > 0: the next command: None at stop, else (lr, this rank's rows). Other commands (an FSDP unit's
+        parameter moves and evaluations) are served on the way."""
+        while True:
+            command = torch.empty(6, dtype=torch.float64, device=self.comm)
+            dist.broadcast(command, 0)
+            cmd, params_changed, optimizer_changed, b, t, lr = command.tolist()
+            if cmd in (STEP, STOP):
+                break
+            self._serve(model, command.tolist())
         if cmd == STOP:
             return None
         self._share_state(model, optimizer, bool(params_changed), bool(optimizer_changed))
         batch = torch.empty((2, int(b), int(t)), dtype=torch.long, device=self.comm)
         dist.broadcast(batch, 0)
         return lr, self._rows(batch)
+
+    def _serve(self, model: nn.Module, command: list[float]) -> None:
+        raise RuntimeError(f"rank {self.rank}: unknown command {command[0]} from rank 0")
 
     def no_sync(self, model: nn.Module) -> Callable | None:
         model = getattr(model, "_orig_mod", model)  # under torch.compile
@@ -177,6 +218,10 @@ class RankGroup(SoloUnit):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+            # Collect now the garbage a backward's collectives left (autograd graphs, gloo work): freed in the
+            # interpreter's teardown instead, it aborts the process now and then ("terminate called without an
+            # active exception", exit -6, seen with DDP and FSDP on gloo), and torchrun reports the unit failed.
+            gc.collect()
 
     # ---- helpers ----------------------------------------------------------------------------------------------
 
@@ -186,14 +231,13 @@ class RankGroup(SoloUnit):
         return mine[0], mine[1]
 
     def _share_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, params: bool, opt: bool) -> None:
-        from p2p_diloco.train.models.build import flat_params, load_flat_params
-
-        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        if params:
-            flat = flat_params(module).to(self.comm)
-            dist.broadcast(flat, 0)
-            if self.rank:
-                load_flat_params(module, flat)
+        if params:  # one parameter at a time, into the parameter itself where it is on the backend's device
+            with torch.no_grad():
+                for _, param in flat_slices(model):
+                    value = param.detach().to(self.comm)
+                    dist.broadcast(value, 0)
+                    if self.rank and value.data_ptr() != param.data_ptr():
+                        param.copy_(value)
         if opt:
             own = optimizer.state_dict() if self.rank == 0 else None
             if own is not None:  # rank 0: tensors to the CPU: a pickled CUDA tensor would land on rank 0's device
@@ -207,6 +251,19 @@ class RankGroup(SoloUnit):
                 optimizer.load_state_dict(received)
 
 
+def flat_slices(model: nn.Module) -> Iterator[tuple[slice, nn.Parameter]]:
+    """Each parameter of the unwrapped model with its slice of the flat vector (train/models/build.py
+    `flat_params` order: `model.parameters()`)."""
+    model = getattr(model, "_orig_mod", model)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    start = 0
+    for param in model.parameters():
+        n = param.numel()
+        yield slice(start, start + n), param
+        start += n
+
+
 def follow(spec, unit: RankGroup, compute, device: str) -> int:
     """Ranks > 0 of a unit: build the model, then take inner steps as rank 0 says until it says stop.
     Returns the number of steps taken."""
@@ -215,7 +272,7 @@ def follow(spec, unit: RankGroup, compute, device: str) -> int:
 
     unit.agree(spec.spec_hash(), "the run's spec")
     unit.check_batch(spec.data.batch_size)
-    model = build_model(spec.model, spec.seed).to(device)
+    model = unit.place(build_model(spec.model, spec.seed), device)
     compute.prepare(model)
     ddp = compute.compiled(unit.wrap(model))
     optimizer = make_inner_optimizer(model, spec.inner)
