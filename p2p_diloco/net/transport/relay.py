@@ -140,8 +140,13 @@ async def open_stream(p2p: P2P, target: str, name: str, timeout_s: float):
     deadline = asyncio.get_running_loop().time() + timeout_s
     first = table.via(target)
     if first is not None:
-        with contextlib.suppress(Exception):
-            return await _through(p2p, first, target, name, timeout_s)
+        try:  # half the time: a relay that stopped answering must leave the direct dial the other half
+            return await _through(p2p, first, target, name, timeout_s / 2)
+        except Exception:
+            # The relay that worked does not now (gone, or cut off by a partition while the target is still in
+            # reach): forget it, so neither this call nor the next ones spend their time on it. A target that
+            # is really private is marked again by its next record (`mark_private`).
+            table.private.pop(target, None)
     try:
         _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer, name),
                                                    min(timeout_s, DIRECT_FIRST_S) if first is None else timeout_s / 2)
