@@ -3,6 +3,7 @@
 
     python benchmarks/bench_memory.py --json-out benchmarks/results/memory.json
     python benchmarks/bench_memory.py --code /tmp/wt_old --code .     # side by side: a worktree of older code
+    python benchmarks/bench_memory.py --with "--training.outer-state-dir /tmp/outer"   # and with these options
 
 Each size runs `join --model llama --corpus stdlib-bpe` as the first peer of a fresh run on 127.0.0.1, 2 rounds
 of 2 inner steps, batch 2, block 128, with a checkpoint at the end. `bench_memory_plan.py` sets the planner's
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -31,9 +33,10 @@ def model_args(size: str) -> list[str]:
             "--spec.data.batch-size", "2", "--spec.inner.inner-steps", "2"]
 
 
-def measure(code: Path, size: str, work: Path) -> dict:
-    out = work / f"{code.name}-{size}"
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "p2p_diloco", "join", *model_args(size), "--rounds", "2",
+def measure(code: Path, size: str, work: Path, extra: list[str]) -> dict:
+    out = work / f"{code.name}-{size}-{len(extra)}"
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "p2p_diloco", "join", *model_args(size), *extra,
+           "--rounds", "2",
            "--host", "127.0.0.1", "--device", "cpu", "--identity", str(out / "id.key"), "--out-dir", str(out),
            "--run-id", f"mem-{size}"]
     env = {**os.environ, "PYTHONPATH": str(code)}
@@ -49,19 +52,23 @@ def measure(code: Path, size: str, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--code", action="append", type=Path, help="a checkout to measure (default: this one)")
+    parser.add_argument("--with", dest="variants", action="append", default=[],
+                        help="also measure each checkout with these extra join options (one string)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for code in [c.resolve() for c in (args.code or [ROOT])]:
-            small, large = (measure(code, s, Path(tmp)) for s in SIZES)
-            slope = (large["peak_rss_bytes"] - small["peak_rss_bytes"]) / (large["params"] - small["params"])
-            row = {"code": str(code), "runs": [small, large], "bytes_per_param": slope}
-            rows.append(row)
-            for run in (small, large):
-                gib = run["peak_rss_bytes"] / 2**30
-                print(f"{code.name:>12}  {run['params'] / 1e6:7.2f}M params  peak {gib:6.2f} GiB")
-            print(f"{code.name:>12}  slope {slope:.1f} B/param")
+            for variant in ["", *args.variants]:
+                extra = shlex.split(variant)
+                small, large = (measure(code, s, Path(tmp), extra) for s in SIZES)
+                slope = (large["peak_rss_bytes"] - small["peak_rss_bytes"]) / (large["params"] - small["params"])
+                rows.append({"code": str(code), "options": variant, "runs": [small, large], "bytes_per_param": slope})
+                label = f"{code.name} {variant}".strip()
+                for run in (small, large):
+                    gib = run["peak_rss_bytes"] / 2**30
+                    print(f"{label}: {run['params'] / 1e6:7.2f}M params  peak {gib:6.2f} GiB")
+                print(f"{label}: slope {slope:.1f} B/param")
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(rows, indent=1))

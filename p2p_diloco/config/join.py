@@ -40,6 +40,11 @@ class TrainingConfig:
     gpus: int = 0
     """Run this unit as N processes (one per GPU; on a CPU, N gloo processes): this one becomes rank 0 and speaks
     to the swarm, all N train (0 or 1: one process; torchrun --nproc-per-node N -m p2p_diloco join ... works too)."""
+    outer_state_dir: str = ""
+    """Keep the outer momentum and error feedback in files in this folder instead of memory: they are used once a
+    round, and between uses their pages leave the process (8 bytes per parameter less on the host during the inner
+    steps, for a model near the host's limit; a round then reads and writes them, 8 bytes per parameter). Empty:
+    in memory."""
     parallel: str = "ddp"
     """How a unit of several processes (--gpus N / torchrun) splits the model: ddp (a full copy of the model, its
     gradients and AdamW state on every rank) or fsdp (each rank holds 1/N of them: for a model that does not fit

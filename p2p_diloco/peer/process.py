@@ -140,7 +140,8 @@ class Peer:
         unit = unit_from_env(self.device, cfg.parallel)  # one process, or DDP/FSDP over torchrun's ranks
         learner = self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
                                          device=self.device, compute=compute, unit=unit,
-                                         stream=identity.peer_id)  # peers that drew one shard: other batches
+                                         stream=identity.peer_id,  # peers that drew one shard: other batches
+                                         outer_state_dir=cfg.outer_state_dir)
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,
                                      batch_size=self.spec.data.batch_size, num_batches=cfg.eval_batches)
         self.samples_per_update = self.spec.inner.inner_steps * self.spec.data.batch_size

@@ -67,7 +67,8 @@ class Learner:
 
     def __init__(self, spec: RunSpec, identity: Identity, corpus: Corpus | Any, *, shard: int, num_shards: int,
                  replica_state: tuple[torch.Tensor, VersionVector] | None = None, device: str = "cpu",
-                 compute: Compute | None = None, unit: SoloUnit | None = None, stream: str = ""):
+                 compute: Compute | None = None, unit: SoloUnit | None = None, stream: str = "",
+                 outer_state_dir: str = ""):
         self.spec = spec.validate()
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -94,7 +95,9 @@ class Learner:
             self.replica.load(*replica_state)
         self.spec_hash = spec.spec_hash()
         self.optimizer = make_inner_optimizer(self.model, spec.inner)  # after the move: AdamW state on the device
-        self.outer_state = OuterState.zeros(self.numel)
+        # m and e in files under outer_state_dir, out of memory during the inner steps (OuterState.in_files)
+        self.outer_state = OuterState.in_files(self.numel, outer_state_dir) if outer_state_dir \
+            else OuterState.zeros(self.numel)
         self.sampler = make_sampler(corpus, spec, self.peer_id, shard=shard, num_shards=num_shards, stream=stream)
         self.step = 0  # cumulative inner steps: the schedule's clock and the data position
         self.last_seq = 0  # the highest seq this identity has signed (in this run, across restarts)
@@ -122,6 +125,7 @@ class Learner:
         self.unit.set_params(self.model, lambda s: base[s])
         self._params_changed = True
         self.in_phase = True
+        self.outer_state.release()  # file-backed m and e: out of memory until the phase ends
         # The lr clock's base once per phase, not per inner step: it walks every sender the vector holds.
         return Phase(base=base, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv),
                      target_steps=self.spec.inner.inner_steps)

@@ -13,8 +13,11 @@ added to the next round's update, so nothing is lost for good, only delayed.
 
 from __future__ import annotations
 
+import mmap
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,10 +36,36 @@ class OuterState:
 
     momentum: torch.Tensor
     error: torch.Tensor
+    maps: tuple[mmap.mmap, ...] = ()  # the file mappings behind m and e (`in_files`), else none
 
     @classmethod
     def zeros(cls, numel: int) -> OuterState:
         return cls(momentum=torch.zeros(numel), error=torch.zeros(numel))
+
+    @classmethod
+    def in_files(cls, numel: int, folder: str | Path) -> OuterState:
+        """m and e (zeros) in two files under `folder`, mapped into memory. They are used once a round, at the end
+        of a phase; `release` then drops their pages from this process (the kernel keeps them in the page cache,
+        or writes them out when memory runs short), so during the inner steps a unit holds 8 bytes per parameter
+        less. The files are unlinked at once: nothing is left behind, whatever way the process ends."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tensors, maps = [], []
+        for name in ("momentum", "error"):
+            with tempfile.TemporaryFile(dir=folder, prefix=f"outer-{name}-") as f:  # unlinked on creation
+                f.truncate(4 * numel)  # sparse: reads as zeros
+                mapped = mmap.mmap(f.fileno(), 4 * numel) if numel else None
+            if mapped is None:
+                tensors.append(torch.zeros(0))
+                continue
+            maps.append(mapped)
+            tensors.append(torch.frombuffer(mapped, dtype=torch.float32))  # writes go to the file's pages
+        return cls(momentum=tensors[0], error=tensors[1], maps=tuple(maps))
+
+    def release(self) -> None:
+        """Drop the pages of file-backed m and e from this process's memory (their values stay in the files and
+        come back on the next use); nothing for m and e in memory."""
+        for mapped in self.maps:
+            mapped.madvise(mmap.MADV_DONTNEED)  # a shared file mapping: the values are in the page cache
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of `m` and `e` (float32, CPU) for a checkpoint."""

@@ -88,3 +88,53 @@ def test_reference_of_a_large_model_keeps_a_sample_and_the_same_cosines() -> Non
     agreement, ratio = ref.compare(along)
     assert abs(agreement - full_cos) < 0.005 and ratio == pytest.approx(float(along.norm() / direction.norm()))
     assert ref.compare(-along)[0] == pytest.approx(-agreement)
+
+
+def _mapped_rss_kib(path_prefix: str) -> int:
+    """Resident KiB of this process's mappings of (deleted) files whose name starts with `path_prefix`."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                inside = len(head) >= 6 and head[5].startswith(path_prefix)
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1])
+    return total
+
+
+def test_outer_state_in_files_leaves_memory_between_uses_and_keeps_its_values(tmp_path) -> None:
+    n = 4 << 20  # 16 MB each
+    state = OuterState.in_files(n, tmp_path)
+    assert not any(tmp_path.iterdir())  # unlinked at once: nothing left behind
+    assert float(state.momentum.abs().max()) == 0.0 and float(state.error.abs().max()) == 0.0
+    state.momentum.fill_(0.5)
+    state.error.copy_(torch.arange(n, dtype=torch.float32))
+    before = _mapped_rss_kib(str(tmp_path))
+    assert before >= 2 * n * 4 // 1024 * 0.9  # both vectors resident once written
+    state.release()
+    assert _mapped_rss_kib(str(tmp_path)) < before // 10  # out of this process's memory...
+    assert float(state.momentum[123]) == 0.5 and float(state.error[n - 1]) == n - 1  # ...and back when read
+    kept = state.error.clone()
+    state.release()
+    assert torch.equal(state.error, kept)
+
+
+def test_a_learner_with_its_outer_state_in_files_signs_the_same_updates(tmp_path, corpus) -> None:
+    from p2p_diloco.config import preset
+    from p2p_diloco.train.exchange import CollectingExchange
+    from p2p_diloco.train.learner import Learner, SwarmView
+    from p2p_diloco.train.loop import Schedule, rounds
+    from p2p_diloco.wire.identity import Identity
+
+    base, identity = preset("test"), Identity.generate()
+    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=3),
+                               model=dataclasses.replace(base.model, n_layer=1, n_embd=32, block_size=32))
+    view = SwarmView(num_peers=2, samples_per_round=2 * spec.inner.inner_steps * spec.data.batch_size)
+    sent = []
+    for folder in ("", str(tmp_path / "outer")):
+        unit = Learner(spec, identity, corpus, shard=0, num_shards=2, outer_state_dir=folder)
+        exchange = CollectingExchange(view)
+        list(rounds(unit, exchange, Schedule(rounds=3)))
+        sent.append([u.payload for u in exchange.sent])
+    assert len(sent[0]) == 3 and sent[0] == sent[1]  # bit for bit: the same numbers, only where they live differs

@@ -88,7 +88,7 @@ def join_setup(config: JoinConfig, *, device: str, ranks: int) -> UnitSetup:
                      precision=resolve_plan_precision(cfg.precision, gpu), micro_batch=cfg.micro_batch,
                      activation_checkpointing=cfg.activation_checkpointing, ranks=max(1, ranks),
                      parallel=cfg.parallel, gpu=gpu,
-                     retained_bytes=config.gossip.retained_bytes)
+                     retained_bytes=config.gossip.retained_bytes, outer_state_in_files=bool(cfg.outer_state_dir))
 
 
 def check_join_memory(config: JoinConfig) -> JoinConfig:

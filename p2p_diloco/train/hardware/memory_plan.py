@@ -105,6 +105,8 @@ class UnitSetup:
     """The device is an accelerator with its own memory; else the ranks train in host memory."""
     retained_bytes: int = 512 << 20
     """The gossip store's bound (`gossip.retained_bytes`)."""
+    outer_state_in_files: bool = False
+    """m and e live in files (`training.outer_state_dir`), out of memory during the inner steps."""
 
     @property
     def sequences(self) -> int:
@@ -150,8 +152,9 @@ def plan_memory(setup: UnitSetup, shape: ModelShape | None = None) -> MemoryPlan
     device += _activations(shape, setup)
     if setup.gpu:
         device.append(("GPU context", GPU_CONTEXT_BYTES))
-    host = [("replica theta", 4 * n), ("phase base point", 4 * n), ("outer momentum", 4 * n),
-            ("error feedback", 4 * n), ("chunk buffers", min(CHUNK_NUMEL, n) * 4 * CHUNK_BUFFERS),
+    outer = [] if setup.outer_state_in_files else [("outer momentum", 4 * n), ("error feedback", 4 * n)]
+    host = [("replica theta", 4 * n), ("phase base point", 4 * n), *outer,
+            ("chunk buffers", min(CHUNK_NUMEL, n) * 4 * CHUNK_BUFFERS),
             ("gossip store (bound)", setup.retained_bytes), ("process (python, torch, hivemind)", PROCESS_BASE_BYTES)]
     if setup.ranks > 1:
         host.append((f"other ranks' processes ({setup.ranks - 1})", (setup.ranks - 1) * PROCESS_BASE_BYTES))
