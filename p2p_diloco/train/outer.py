@@ -61,11 +61,16 @@ class OuterState:
             tensors.append(torch.frombuffer(mapped, dtype=torch.float32))  # writes go to the file's pages
         return cls(momentum=tensors[0], error=tensors[1], maps=tuple(maps))
 
-    def release(self) -> None:
-        """Drop the pages of file-backed m and e from this process's memory (their values stay in the files and
-        come back on the next use); nothing for m and e in memory."""
+    def release(self, part: slice | None = None) -> None:
+        """Drop the pages of file-backed m and e (all, or those of values `part`) from this process's memory:
+        their values stay in the files and come back on the next use. Nothing for m and e in memory."""
         for mapped in self.maps:
-            mapped.madvise(mmap.MADV_DONTNEED)  # a shared file mapping: the values are in the page cache
+            if part is None:
+                mapped.madvise(mmap.MADV_DONTNEED)  # a shared file mapping: the values are in the page cache
+            else:
+                start, stop, _ = part.indices(len(mapped) // 4)
+                first = 4 * start // mmap.PAGESIZE * mmap.PAGESIZE  # madvise wants a page-aligned start
+                mapped.madvise(mmap.MADV_DONTNEED, first, 4 * stop - first)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of `m` and `e` (float32, CPU) for a checkpoint."""
@@ -135,9 +140,11 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
                 d[c].add_(mu * m[c])
             else:
                 d[c].copy_(m[c])
+            state.release(c)  # file-backed m and e: only a chunk of them in memory at a time
     if cfg.error_feedback:
         for c in chunks(d.numel()):
             d[c].add_(e[c] if rounds == 1 else e[c] / rounds)
+            state.release(c)
     payload = codec.compress(d)
     if cfg.error_feedback:
         # e <- d - decoded, and d <- decoded, a chunk at a time: d's buffer ends as the decoded payload.
@@ -145,6 +152,7 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
             decoded = codec.decompress_range(payload, d.numel(), c)
             torch.sub(d[c], decoded, out=e[c])
             d[c].copy_(decoded)
+            state.release(c)
         if rounds > 1:
             e.mul_(rounds)
     else:
