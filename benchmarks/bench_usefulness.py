@@ -90,14 +90,19 @@ class MeasuredSwarm(AsyncSwarm):
             peer.learner.sampler = ShardSampler(self.corpus.train, shard=0, num_shards=1,
                                                 block_size=spec.model.block_size, batch_size=spec.data.batch_size,
                                                 seed=spec.seed, stream=f"unit{peer.index}")
-        return peer
+        learner, finish = peer.learner, peer.learner.finish_phase
 
-    def _start_phase(self, peer: SimPeer) -> None:
-        # The phase that just ended published seq last_seq, as base - phi where `base` is the replica it last
-        # rebased onto (train/learner.py): the point its author stood on, every remote update it held included.
-        if peer.phase is not None and peer.learner.last_seq:
-            self.bases[(peer.learner.peer_id, peer.learner.last_seq)] = peer.phase.base.clone()
-        super()._start_phase(peer)
+        def keep_base(phase, result, view):
+            # Published as base - phi where `base` is the replica it last rebased onto (train/learner.py): the
+            # point its author stood on, every remote update it held included. Read before finish_phase, which
+            # turns the base buffer into the update in place.
+            base = phase.base.clone()
+            update = finish(phase, result, view)
+            self.bases[(learner.peer_id, update.seq)] = base
+            return update
+
+        learner.finish_phase = keep_base  # type: ignore[method-assign]
+        return peer
 
     def _receive(self, peer: SimPeer, data: bytes) -> None:
         from p2p_diloco.wire.envelope import decode_update

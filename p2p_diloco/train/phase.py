@@ -47,6 +47,8 @@ class Phase:
     that reach the replica mid-phase are added to phi too between inner steps (`_rebase`), so the local model
     tracks the swarm instead of re-learning what others already published. The pseudo-gradient
     `base - phi` stays this unit's own progress, and its staleness is only what arrived since the last rebase.
+    `base` is the learner's one base buffer, updated in place by rebases; `Learner.finish_phase` turns it into
+    the pseudo-gradient and then the decoded update, so read it before the phase finishes.
     """
 
     base: torch.Tensor
