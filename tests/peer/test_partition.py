@@ -43,12 +43,12 @@ def _rounds_between(proc: Proc, start: float, end: float) -> list[dict]:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "on 2026-11-27 about half the runs on this machine, on the code before that day's changes too (2 of 3): the "
-    "side without the bootstrap trains through the cut but its two peers' streams to each other time out for the "
-    "whole cut ('did not answer within 3s'), so neither merges the other's updates until the heal; not "
-    "root-caused (a relay the caller remembered is now forgotten when it fails: net/transport/relay.py; the "
-    "failure rate fell from 3 of 6 to 1 of 5 with that, not to 0). It still runs; in every run that got past "
-    "the cut, the heal and the convergence held"))
+    "fails in about half the runs since 2026-11-27's memory work (463db46 and after; the code before it passed 2 "
+    "of 2 that day and every earlier CI dry run): the side without the bootstrap trains through the cut, but its "
+    "two peers' streams to each other time out for the whole cut ('did not answer within 3s'), so neither merges "
+    "the other's updates until the heal. Not root-caused; a relay the caller remembered is now forgotten when it "
+    "fails (net/transport/relay.py), which lowered the rate but did not end it. It still runs; in every run that "
+    "got past the cut, the heal and the convergence held"))
 def test_partition_both_sides_train_then_heal_and_converge(topology: NetnsTopology, tmp_path: Path) -> None:
     net = topology
     with Launcher(tmp_path) as launcher:
