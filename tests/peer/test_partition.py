@@ -43,7 +43,7 @@ def _rounds_between(proc: Proc, start: float, end: float) -> list[dict]:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "fails in about half the runs since 2026-11-27's memory work (463db46 and after; the code before it passed 2 "
+    "fails in about half the runs since 2026-11-27's memory work (after ddad18f; the code before it passed 2 "
     "of 2 that day and every earlier CI dry run): the side without the bootstrap trains through the cut, but its "
     "two peers' streams to each other time out for the whole cut ('did not answer within 3s'), so neither merges "
     "the other's updates until the heal. Not root-caused; a relay the caller remembered is now forgotten when it "
