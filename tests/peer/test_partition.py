@@ -43,12 +43,12 @@ def _rounds_between(proc: Proc, start: float, end: float) -> list[dict]:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "failed 7 of 14 runs on 2026-11-27 with that day's memory work in (after ddad18f); ddad18f itself passed the 2 "
-    "runs tried that day and every earlier CI dry run, which does not prove the flake is new: the side without the "
-    "bootstrap trains through the cut, but its two peers' streams to each other time out for the whole cut ('did "
-    "not answer within 3s'), so neither merges the other's updates until the heal. Not root-caused; a relay the "
-    "caller remembered is now forgotten when it fails (net/transport/relay.py), which did not end it. It still "
-    "runs; in every run that got past the cut, the heal and the convergence held"))
+    "flaky: on 2026-11-27 it failed 7 of 14 runs with that day's memory work in, and 1 of 5 on the code before it "
+    "(ddad18f), the same way: the side without the bootstrap trains through the cut, but its two peers' streams "
+    "to each other time out for the whole cut ('did not answer within 3s'), so neither merges the other's updates "
+    "until the heal. Not root-caused; a relay the caller remembered is now forgotten when it fails "
+    "(net/transport/relay.py), which did not end it. It still runs; in every run that got past the cut, the heal "
+    "and the convergence held"))
 def test_partition_both_sides_train_then_heal_and_converge(topology: NetnsTopology, tmp_path: Path) -> None:
     net = topology
     with Launcher(tmp_path) as launcher:
