@@ -48,8 +48,14 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
 def test_metrics_match_the_peers_own_counters(swarm) -> None:
     a = swarm["peers"][0]
     url = page_of(a) + "metrics"
-    samples = {s.name: s.value for f in text_string_to_metric_families(get(url).decode()) for s in f.samples
-               if not s.labels}
+
+    def scrape_counting_both():
+        # Under load a peer counts the other only once it has proven itself (merged work): wait for that scrape.
+        samples = {s.name: s.value for f in text_string_to_metric_families(get(url).decode()) for s in f.samples
+                   if not s.labels}
+        return samples if samples["p2p_diloco_peers_known"] == 2 else None
+
+    samples = wait_until(scrape_counting_both, 90, "a's /metrics to count both peers", procs=[a])
     at_round = int(samples["p2p_diloco_round"])
     # The counters only grow: what a scrape between round r's line and round r+1's says lies between the two.
     lines = {r["round"]: r for r in a.wait_rounds(at_round + 1, timeout_s=60)}
