@@ -262,7 +262,9 @@ class Learner:
         if meta.get("numel") != self.numel:
             raise ValueError(f"checkpoint has {meta.get('numel')} parameters, this model {self.numel}")
         for key in ("theta", "outer.momentum", "outer.error"):
-            if tensors[key].shape != (self.numel,) or tensors[key].dtype != torch.float32:
+            # m and e may be float32 (an older checkpoint) or bfloat16 (outer.STATE_DTYPE): they are rounded to it
+            allowed = (torch.float32,) if key == "theta" else (torch.float32, torch.bfloat16)
+            if tensors[key].shape != (self.numel,) or tensors[key].dtype not in allowed:
                 raise ValueError(f"checkpoint tensor {key} is {tensors[key].dtype} {tuple(tensors[key].shape)}")
         if not bool(torch.isfinite(tensors["theta"]).all()):
             raise ValueError("checkpoint theta is not finite")

@@ -41,6 +41,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from p2p_diloco.train.hardware.host_heap import trim_free_heap
+
 if TYPE_CHECKING:  # light at import time (the peer process imports this before torch is needed)
     from p2p_diloco.train.exchange import Exchange
     from p2p_diloco.train.inner import InnerResult
@@ -155,6 +157,7 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
             return "finish"
         if not hooks.admit():
             return "admit"
+        trim_free_heap()  # what the last round's outer step, evaluation and checkpoint freed, back to the system
         phase = learner.begin_phase()
         yield PhaseBegun(phase)
         t0 = time.monotonic()
@@ -180,6 +183,9 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
             yield PhaseStretched(phase, backlog)
         result = phase.result()
         view = exchange.swarm_view()
+        # The gradients just freed sit in the heap; the outer step's payload-sized buffers are mapped afresh, so
+        # without this they would come on top of them.
+        trim_free_heap()
         update = learner.finish_phase(phase, result, view)  # pseudo-gradient, outer step, encode, sign, merge
         exchange.publish(update)  # returns at once: the network spreads it
         round_ += 1

@@ -220,12 +220,13 @@ class BlockwiseCodec(Codec):
     def _expand(self, per_block: torch.Tensor, n: int) -> torch.Tensor:
         return per_block.repeat_interleave(self.block)[:n]
 
-    def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Signed int8 codes for x (vectorised; full blocks as a 2-D view, the tail separately)."""
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Signed int8 codes for x (vectorised; full blocks as a 2-D view, the tail separately), into `out`
+        (int8, x's size and device) when given."""
         n, b = x.numel(), self.block
         full = n // b
         inv = torch.where(scale > 0, 1.0 / scale.clamp_min(_MIN_SCALE), torch.zeros_like(scale))
-        q = torch.empty(n, dtype=torch.int8, device=x.device)
+        q = torch.empty(n, dtype=torch.int8, device=x.device) if out is None else out
         step = max(1, _CHUNK_VALUES // b)  # blocks per chunk: the float temporary stays chunk-sized
         for lo in range(0, full, step):
             hi = min(full, lo + step)
@@ -267,10 +268,15 @@ class BlockwiseCodec(Codec):
     def compress(self, x: torch.Tensor) -> bytes:
         x = _check_input(x, self.name)
         scale = self._scales(x)
-        q = self._pack(self._quantize(x, scale))
-        out = torch.empty(4 * scale.numel() + q.numel(), dtype=torch.uint8)
-        out[: 4 * scale.numel()] = torch.from_numpy(scale.cpu().numpy().astype("<f4", copy=False).view(np.uint8))
-        out[4 * scale.numel() :] = q.cpu()
+        head = 4 * scale.numel()
+        if self.bits == 8 and x.device.type == "cpu":  # the codes straight into the payload: no second copy
+            out = torch.empty(head + x.numel(), dtype=torch.uint8)
+            self._quantize(x, scale, out=out[head:].view(torch.int8))
+        else:
+            q = self._pack(self._quantize(x, scale))
+            out = torch.empty(head + q.numel(), dtype=torch.uint8)
+            out[head:] = q.cpu()
+        out[:head] = torch.from_numpy(scale.cpu().numpy().astype("<f4", copy=False).view(np.uint8))
         return out.numpy().tobytes()
 
     def decompress(self, data: Payload, numel: int) -> torch.Tensor:

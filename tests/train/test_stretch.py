@@ -109,9 +109,9 @@ def test_a_lossy_codecs_error_is_carried_in_one_rounds_units() -> None:
     cfg, codec = SPEC.outer, get_codec("int8", 64)
     torch.manual_seed(1)
     delta = torch.randn(256)
-    state = OuterState.zeros(256)
+    state = OuterState.zeros(256, torch.float32)  # the algorithm, without bf16 storage
     _, decoded = outer_update(delta, state, cfg, codec, rounds=4)
-    m = OuterState.zeros(256)
+    m = OuterState.zeros(256, torch.float32)
     target = sum(outer_update(delta / 4, m, cfg, get_codec("fp32"))[1] for _ in range(4)) / 4
     # weighted 4 rounds' share, the residual counts 4 times in one round's units
     assert torch.allclose(state.error, 4 * (target - decoded), atol=1e-6)

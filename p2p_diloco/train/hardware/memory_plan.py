@@ -4,8 +4,8 @@ Per device (each rank's accelerator; on a CPU unit the host itself) the inner st
 gradients and AdamW's two moments (16 B/parameter, divided over the N ranks under FSDP), the reduced-precision
 weight casts autocast keeps for backward, the activations and the logits. The host of rank 0 holds the outer state
 (ARCHITECTURE.md "Models, data and hardware"): the replica, the phase's base point, the outer momentum and the
-error feedback (16 B/parameter, never sharded: rank 0 speaks for the unit), the bounded chunk buffers the outer
-step streams through, the gossip store's bound and the process itself.
+error feedback (12 B/parameter, m and e in bfloat16; never sharded: rank 0 speaks for the unit), the bounded chunk
+buffers the outer step streams through, the gossip store's bound and the process itself.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
 bytes per token per layer at 16 bits: attention 11 h, MLP 3 h + 4 f (gated: 2 h + 8 f), norms 4 h; the 5 a s / h
@@ -152,7 +152,8 @@ def plan_memory(setup: UnitSetup, shape: ModelShape | None = None) -> MemoryPlan
     device += _activations(shape, setup)
     if setup.gpu:
         device.append(("GPU context", GPU_CONTEXT_BYTES))
-    outer = [] if setup.outer_state_in_files else [("outer momentum", 4 * n), ("error feedback", 4 * n)]
+    outer = [] if setup.outer_state_in_files else [("outer momentum (bfloat16)", 2 * n),
+                                                    ("error feedback (bfloat16)", 2 * n)]
     host = [("replica theta", 4 * n), ("phase base point", 4 * n), *outer,
             ("chunk buffers", min(CHUNK_NUMEL, n) * 4 * CHUNK_BUFFERS),
             ("gossip store (bound)", setup.retained_bytes), ("process (python, torch, hivemind)", PROCESS_BASE_BYTES)]
