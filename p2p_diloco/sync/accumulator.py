@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.robust import peak
 from p2p_diloco.sync.screening import check_theta
 
@@ -25,7 +26,7 @@ class Accumulator:
         # guard skip a full pass over theta until the bound gets near the float32 range.
         self._peak_bound = peak(self.theta)
 
-    def subtract(self, step: Tensor, bound: float, *, factor: float = 1.0, multiplier: float = 1.0) -> bool:
+    def subtract(self, step: Tensor | Decoded, bound: float, *, factor: float = 1.0, multiplier: float = 1.0) -> bool:
         """theta -= (step * factor) * multiplier, unless the result would not be finite (False, theta unchanged);
         `bound` >= max|step * factor|, multiplier <= 1. The product is made a chunk at a time, bit for bit the
         whole one, so a merge needs no full-size temporary (ARCHITECTURE.md "Memory")."""
@@ -45,7 +46,7 @@ class Accumulator:
             self._peak_bound += bound
         return True
 
-    def add(self, step: Tensor, *, factor: float = 1.0, multiplier: float = 1.0) -> None:
+    def add(self, step: Tensor | Decoded, *, factor: float = 1.0, multiplier: float = 1.0) -> None:
         """theta += (step * factor) * multiplier (a merged step taken back)."""
         for part, value in _chunks(step, factor, multiplier):
             self.theta[part].add_(value)
@@ -57,15 +58,10 @@ class Accumulator:
         self._peak_bound = peak(self.theta)
 
 
-CHUNK = 1 << 22
-"""Values per chunk of a merge's product (16 MB of float32)."""
-
-
-def _chunks(step: Tensor, factor: float, multiplier: float) -> Iterator[tuple[slice, Tensor]]:
-    """(slice, (step * factor) * multiplier on it): the same rounding as the whole product, a chunk at a time."""
-    for start in range(0, step.numel(), CHUNK):
-        part = slice(start, min(step.numel(), start + CHUNK))
-        value = step[part]
+def _chunks(step: Tensor | Decoded, factor: float, multiplier: float) -> Iterator[tuple[slice, Tensor]]:
+    """(slice, (step * factor) * multiplier on it): the same rounding as the whole product, a chunk at a time
+    (sync/decoded.py's chunks: a payload is decoded one chunk at a time)."""
+    for part, value in Decoded.of(step).chunks():
         if factor != 1.0:
             value = value * factor
         if multiplier != 1.0:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from p2p_diloco.sync.decoded import Decoded
+
 COPY_COSINE = 0.9999
 """|cosine| with a recent payload of another author at or above which a payload is a copy (or a negated copy) of
 it. A re-signed copy, scaled or negated, decodes to exactly the same direction (the codec's codes are the same
@@ -57,7 +59,7 @@ class CopyWindow:
         self._last: tuple[str, int, Tensor | None] = ("", 0, None)  # the last sample `matches` took
         self._sample_at: Tensor | None = None
 
-    def matches(self, sender: str, seq: int, delta: Tensor, bar: float) -> list[tuple[WindowEntry, float]]:
+    def matches(self, sender: str, seq: int, delta: Tensor | Decoded, bar: float) -> list[tuple[WindowEntry, float]]:
         """The entries of other authors whose |cosine| with `delta` is at least `bar`, with the cosine. Keeps
         the sample it took, for `remember_sample` of the same update."""
         sample = self.sample(delta)
@@ -69,18 +71,19 @@ class CopyWindow:
         return [(rows[row], float(cosines[row])) for row in
                 (cosines.abs() >= bar).nonzero().flatten().tolist() if rows[row].author != sender]
 
-    def remember_sample(self, sender: str, seq: int, delta: Tensor, state: str) -> None:
+    def remember_sample(self, sender: str, seq: int, delta: Tensor | Decoded, state: str) -> None:
         """Add `sender`'s payload `seq` (the sample `matches` took of it, else a new one); a zero one is left out."""
         sample = self._last[2] if self._last[:2] == (sender, seq) else self.sample(delta)
         if sample is not None:
             self._remember(sender, seq, sample, state)
 
-    def sample(self, delta: Tensor) -> Tensor | None:
+    def sample(self, delta: Tensor | Decoded) -> Tensor | None:
         """The payload at the fixed COPY_SAMPLE coordinates, unit length (None if it is zero)."""
-        if self._sample_at is None or int(self._sample_at.max()) >= delta.numel():
+        decoded = Decoded.of(delta)
+        if self._sample_at is None or int(self._sample_at.max()) >= decoded.numel:
             g = torch.Generator().manual_seed(COPY_SEED)
-            self._sample_at = torch.randint(0, delta.numel(), (min(COPY_SAMPLE, delta.numel()),), generator=g)
-        sample = delta.reshape(-1)[self._sample_at].float()
+            self._sample_at = torch.randint(0, decoded.numel, (min(COPY_SAMPLE, decoded.numel),), generator=g)
+        sample = decoded.take(self._sample_at)
         norm = float(sample.norm())
         return sample / norm if norm > 0 and math.isfinite(norm) else None
 

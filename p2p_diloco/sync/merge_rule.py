@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from p2p_diloco.sync.accumulator import Accumulator
+from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, prepare, shaped_step
 from p2p_diloco.sync.slots import Slots
@@ -40,7 +41,8 @@ class MergeRule:
         self.policy = MergePolicy.passthrough()  # the RunSpec's, once bound (`Replica.bind_rules`)
         self.sum = Accumulator(theta)
 
-    def screen(self, update: UpdateLike, decoded: Tensor | None, *, screen_only: bool = False) -> Prepared:
+    def screen(self, update: UpdateLike, decoded: Tensor | Decoded | None, *,
+               screen_only: bool = False) -> Prepared:
         """Rule 4 after the layout check (sync/screening.py), with this rule's codec, policy and constants."""
         return prepare(update, self.sum.theta, codec=self.codec, policy=self.policy, outer_lr=self.outer_lr,
                        max_weight=self.max_weight, decoded=decoded, screen_only=screen_only)

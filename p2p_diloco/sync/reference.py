@@ -14,6 +14,8 @@ import math
 import torch
 from torch import Tensor
 
+from p2p_diloco.sync.decoded import Decoded
+
 REFERENCE_DECAY = 0.7
 """Weight of the old reference when a payload in good standing is folded in (about the last 3 updates)."""
 REFERENCE_SAMPLE = 1 << 20
@@ -33,33 +35,35 @@ class Reference:
         self.norm = 0.0  # decaying maximum of the (full) norms of the payloads folded into the reference
         self.at: Tensor | None = None
 
-    def _sample(self, delta: Tensor) -> Tensor:
-        n = delta.numel()
+    def _sample(self, delta: Decoded) -> Tensor:
+        n = delta.numel
         if n <= REFERENCE_SAMPLE:
-            return delta
+            return delta.whole()
         if self.at is None or int(self.at.max()) >= n:
             g = torch.Generator().manual_seed(0)  # fixed: every replica keeps the same coordinates
             self.at = torch.randint(0, n, (REFERENCE_SAMPLE,), generator=g)  # not randperm: 8 B/param
-        return delta[self.at]
+        return delta.take(self.at)
 
-    def compare(self, delta: Tensor) -> tuple[float, float]:
+    def compare(self, delta: Tensor | Decoded) -> tuple[float, float]:
         """(cosine of `delta` with the reference, its norm over the reference norm); 1.0 where a norm is 0."""
         if self.vector is None:
             raise ValueError("no reference yet: nothing to compare with")
-        sample = self._sample(delta)
-        norm, sample_norm = float(delta.norm()), float(sample.norm())
+        decoded = Decoded.of(delta)
+        sample = self._sample(decoded)
+        norm, sample_norm = decoded.norm(), float(sample.norm())
         ref_norm = float(self.vector.norm())
         agreement = float(torch.dot(sample, self.vector)) / (sample_norm * ref_norm) \
             if sample_norm > 0 and ref_norm > 0 else 1.0
         ratio = norm / self.norm if self.norm > 0 else 1.0
         return agreement, ratio
 
-    def fold(self, delta: Tensor) -> None:
+    def fold(self, delta: Tensor | Decoded) -> None:
         """Fold a payload in good standing into the reference (a zero or non-finite one is left out)."""
-        norm = float(delta.norm())
+        decoded = Decoded.of(delta)
+        norm = decoded.norm()
         if not (norm > 0 and math.isfinite(norm)):
             return
-        sample = self._sample(delta.detach())
+        sample = self._sample(decoded)
         if self.vector is None:
             self.vector, self.norm = sample.clone(), norm
             return

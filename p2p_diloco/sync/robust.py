@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.config import DefenceConfig, RunSpec
+from p2p_diloco.sync.decoded import Decoded
 
 CLIP_ITERS = 3
 """CenteredClip iterations per merge, each starting from the previous centre (the paper finds 1-3 enough)."""
@@ -180,24 +181,32 @@ class MergePolicy:
         CenteredClip moves a payload toward a mean of payloads inside the same box, so it stays inside."""
         return min(self.reject_above, self.clip_at)
 
-    def screen(self, delta: Tensor) -> str | None:
+    @property
+    def shapes_whole(self) -> bool:
+        """True if `shape` reads a payload as one vector (a clip): it is then decoded whole (4 B/parameter);
+        the plain sum reads it a chunk at a time (sync/decoded.py)."""
+        return math.isfinite(self.clip_at) or self.window is not None
+
+    def screen(self, delta: Tensor | Decoded) -> str | None:
         """'norm_bound' if a coordinate of the decoded payload is above the bound; None if it passes."""
-        if math.isfinite(self.reject_above) and peak(delta) > self.reject_above:
+        if math.isfinite(self.reject_above) and Decoded.of(delta).peak() > self.reject_above:
             return "norm_bound"
         return None
 
-    def shape(self, delta: Tensor) -> Tensor:
-        """The payload as merged (may return `delta` itself; never modifies it)."""
+    def shape(self, delta: Decoded | Tensor) -> Decoded | Tensor:
+        """The payload as merged: `delta` itself, or a new tensor (a clip); never modifies it."""
         if math.isfinite(self.clip_at):
-            return delta.clamp(-self.clip_at, self.clip_at)
+            return Decoded.of(delta).whole().clamp(-self.clip_at, self.clip_at)
         if self.window is not None:
-            return self.window.shape(delta)
+            whole = Decoded.of(delta).whole()
+            shaped = self.window.shape(whole)
+            return delta if shaped is whole else shaped
         return delta
 
-    def observe(self, delta: Tensor) -> None:
+    def observe(self, delta: Decoded | Tensor) -> None:
         """Called under the replica's lock after `delta` was merged."""
         if self.window is not None:
-            self.window.observe(delta)
+            self.window.observe(Decoded.of(delta).whole())
 
     def sender_clip(self, d: Tensor) -> Tensor:
         """The sender's side of the bound: clip its payload (before compression) so every peer accepts it,

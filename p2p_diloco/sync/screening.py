@@ -1,6 +1,9 @@
 """Screening one update before it merges (rule 4 of sync/replica.py, after the layout check): decode with
 the run's codec, all values finite, the norm bound, then shape and weight. Pure: no lock, no replica state but
-what the caller passes, so the replica runs it outside its lock (the expensive part)."""
+what the caller passes, so the replica runs it outside its lock (the expensive part).
+
+Under the default aggregation (a plain sum) nothing here makes a full-size vector: the payload is read a chunk at
+a time (sync/decoded.py), and the step `scale * delta` is made a chunk at a time by the merge itself."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.robust import MergePolicy, peak
 from p2p_diloco.sync.types import MergeOutcome, UpdateLike
 from p2p_diloco.wire.codecs import Codec
@@ -25,8 +29,8 @@ _F32_OVERFLOW = 2.0**128 - 2.0**103
 class Prepared:
     """An update screened for merging: its decoded delta and the scaled step, or why it is rejected."""
 
-    delta: Tensor | None = None
-    scaled: Tensor | None = None  # None with no rejection: shaped under the lock (centered_clip), or screen only
+    delta: Decoded | None = None
+    scaled: Decoded | None = None  # None with no rejection: shaped under the lock (centered_clip), or screen only
     scale: float = 0.0
     bound: float = 0.0  # >= max |scaled_i * factor|
     factor: float = 1.0  # the step merged is `scaled * factor` element by element (1: `scaled` is the step)
@@ -53,9 +57,10 @@ def header_ok(update: UpdateLike) -> bool:
 
 
 def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePolicy, outer_lr: float,
-            max_weight: float, decoded: Tensor | None = None, screen_only: bool = False) -> Prepared:
+            max_weight: float, decoded: Tensor | Decoded | None = None, screen_only: bool = False) -> Prepared:
     """Decode (unless `decoded`, the same codec's output for this payload, is given), check finiteness and the
-    norm bound, shape and weight. `screen_only`: the rejection (or none) and the decoded delta, nothing more."""
+    norm bound, shape and weight. `screen_only`: the rejection (or none) and the decoded delta, nothing more.
+    The payload is decoded a chunk at a time on each read, unless the policy shapes whole vectors (a clip)."""
     try:
         weight = float(update.weight)
     except OverflowError:  # an int weight beyond the float range
@@ -63,18 +68,22 @@ def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePol
     if not math.isfinite(weight):
         return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
     scale = outer_lr * min(max(weight, 0.0), max_weight)  # same clamp on every peer
-    delta: object = decoded
-    if delta is None:
-        try:  # bounded output: the size is the RunSpec's (theta's), whatever the header claims
-            delta = codec.decompress(update.payload, theta.numel())
-        except Exception as exc:  # a remote payload must never crash the peer (invariant 1)
-            logger.warning("update rejected reason=decode_error sender=%s seq=%d error=%r",
-                           update.sender, update.seq, exc)
+    given: object = decoded
+    try:  # bounded output: the size is the RunSpec's (theta's), whatever the header claims
+        if given is None and policy.shapes_whole:
+            given = codec.decompress(update.payload, theta.numel())
+        if given is None:
+            delta = Decoded.stream(codec, update.payload, theta.numel())
+        elif isinstance(given, (Tensor, Decoded)) and given.shape == theta.shape:
+            delta = Decoded.of(given if isinstance(given, Decoded) else given.detach().to(theta.device))
+        else:
             return Prepared(rejection=MergeOutcome.REJECTED_INVALID)
-    if not isinstance(delta, Tensor) or delta.shape != theta.shape:
+        top = delta.peak()  # the first read of every chunk: a malformed payload raises here, before any merge
+    except Exception as exc:  # a remote payload must never crash the peer (invariant 1)
+        logger.warning("update rejected reason=decode_error sender=%s seq=%d error=%r",
+                       update.sender, update.seq, exc)
         return Prepared(rejection=MergeOutcome.REJECTED_INVALID)
-    delta = delta.detach().to(device=theta.device, dtype=torch.float32)
-    if not math.isfinite(peak(delta)):
+    if not math.isfinite(top):
         return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
     if policy.screen(delta):
         return Prepared(rejection=MergeOutcome.REJECTED_NORM)
@@ -83,7 +92,7 @@ def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePol
     return shaped_step(delta, scale, policy)
 
 
-def shaped_step(delta: Tensor, scale: float, policy: MergePolicy) -> Prepared:
+def shaped_step(delta: Decoded, scale: float, policy: MergePolicy) -> Prepared:
     """The step a merge subtracts: `scale * shape(delta)`, or REJECTED_NONFINITE if that overflows."""
     shaped = policy.shape(delta)
     if shaped is delta:
@@ -91,11 +100,12 @@ def shaped_step(delta: Tensor, scale: float, policy: MergePolicy) -> Prepared:
         # bit for bit, so the standing and the policy still read delta and no full-size step ever exists.
         # torch multiplies float32 by the scale rounded to float32; a product of two float32 values is exact
         # in a double, so this is the overflow test the whole step's isfinite would make.
-        top = peak(delta) * float(torch.tensor(scale, dtype=torch.float32))
+        top = delta.peak() * float(torch.tensor(scale, dtype=torch.float32))
         if not top < _F32_OVERFLOW:
             return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
         return Prepared(delta=delta, scaled=delta, factor=scale, scale=scale, bound=top * (1 + 2.0**-22))
+    assert isinstance(shaped, Tensor)
     step = shaped.mul_(scale)  # the policy made a new tensor (a clip): scale it in place
     if not math.isfinite(peak(step)):  # lr * w * delta can overflow float32
         return Prepared(rejection=MergeOutcome.REJECTED_NONFINITE)
-    return Prepared(delta=delta, scaled=step, scale=scale, bound=peak(step))
+    return Prepared(delta=delta, scaled=Decoded.of(step), scale=scale, bound=peak(step))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from p2p_diloco.sync.bans import Bans
+from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.merged import MergedIds
 from p2p_diloco.sync.pending import PendingBuffer, Waiting
 from p2p_diloco.sync.types import MergeOutcome, UpdateLike
@@ -57,9 +58,11 @@ class Slots:
             return None
         return MergeOutcome.BUFFERED
 
-    def wait(self, update: UpdateLike, now_s: float, decoded: Tensor | None) -> MergeOutcome:
-        """Buffer an update that must wait for a gap: BUFFERED, or REJECTED_BUFFER_FULL past a bound."""
-        if self.buffer.add(update, now_s, decoded):
+    def wait(self, update: UpdateLike, now_s: float, decoded: Decoded | None) -> MergeOutcome:
+        """Buffer an update that must wait for a gap: BUFFERED, or REJECTED_BUFFER_FULL past a bound. A delta
+        read from its payload is not kept (it is decoded again when it merges): only a tensor already made."""
+        kept = decoded.materialized if decoded is not None else None
+        if self.buffer.add(update, now_s, kept):
             return MergeOutcome.BUFFERED
         return MergeOutcome.REJECTED_BUFFER_FULL
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.authors import Authors
 from p2p_diloco.sync.copies import COPY_COSINE, CopyWindow, WindowEntry
 from p2p_diloco.sync.probation import probation_multiplier
@@ -96,7 +97,7 @@ class Standing:
         """Authors -> (time, multiplier) of their last merge here with a weight, least recent first."""
         return self.authors.recent
 
-    def judge(self, sender: str, seq: int, delta: Tensor, now: float = 0.0) -> Verdict:
+    def judge(self, sender: str, seq: int, delta: Tensor | Decoded, now: float = 0.0) -> Verdict:
         """The verdict on `sender`'s update `seq` with decoded payload `delta` (before it merges)."""
         base = probation_multiplier(seq, self.probation)
         if sender in self.authors.distrusted:
@@ -125,7 +126,8 @@ class Standing:
             return Verdict(0.0, "low_agreement", agreement, ratio, average)
         return Verdict(base, "" if base >= 1.0 else "probation", agreement, ratio, average)
 
-    def observe(self, sender: str, delta: Tensor, verdict: Verdict, now: float, *, seq: int = 0) -> None:
+    def observe(self, sender: str, delta: Tensor | Decoded, verdict: Verdict, now: float, *,
+                seq: int = 0) -> None:
         """After the merge: count the verdict, distrust a vetoed author, fold a payload in good standing into
         the reference; an author in good standing also unmasks the earlier merged copies of this payload."""
         if verdict.reason:
@@ -172,7 +174,7 @@ class Standing:
         """How many peers' worth of updates this replica merged within `window_s` (`Authors.swarm_size`)."""
         return self.authors.swarm_size(now, window_s)
 
-    def _copy_test(self, sender: str, seq: int, delta: Tensor, now: float) -> str:
+    def _copy_test(self, sender: str, seq: int, delta: Tensor | Decoded, now: float) -> str:
         """Is `delta`, up to a scale, a payload of another author in the window? The same verdict whatever the
         order in which a replica gets a pair of copies, once it holds both:
         - one author in good standing, the other not: the other's is the copy, refused with a

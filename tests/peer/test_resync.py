@@ -123,8 +123,13 @@ def make(sender: str, seq: int) -> FakeUpdate:
 
 
 class Codec:
+    name = "fake"
+
     def decompress(self, data: tuple[float, ...], numel: int) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.float32)
+
+    def decompress_range(self, data: tuple[float, ...], numel: int, part: slice) -> torch.Tensor:
+        return self.decompress(data, numel)[part]
 
 
 def replica(*updates: FakeUpdate) -> Replica:

@@ -39,8 +39,15 @@ class FnCodec:
     def __init__(self, fn: Callable[[tuple[float, ...]], object]) -> None:
         self.fn = fn
 
+    name = "fn"
+
     def decompress(self, data: tuple[float, ...], numel: int) -> object:
         return self.fn(data)
+
+    def decompress_range(self, data: tuple[float, ...], numel: int, part: slice) -> object:
+        """What a real codec's range decode is: the part of a fitting output (else the output, to be refused)."""
+        out = self.fn(data)
+        return out[part] if isinstance(out, torch.Tensor) and out.shape == (numel,) else out
 
 
 def decode(payload: tuple[float, ...]) -> torch.Tensor:
@@ -560,15 +567,19 @@ def test_centered_clip_merges_unclipped_updates_exactly() -> None:
     assert float(clipped.theta.abs().max()) < float(plain.theta.abs().max()) / 10
 
 
-def test_each_update_is_decoded_once() -> None:
-    """A buffered update keeps the delta it was screened with; a sender's own update brings its tensor."""
+def test_a_remote_payload_is_read_from_its_bytes_and_never_kept_decoded() -> None:
+    """A remote payload is decoded a chunk at a time on each read (sync/decoded.py): a buffered update keeps no
+    decoded delta (it is read again when it merges: once per screening for a one-chunk payload); a sender's own
+    update brings its tensor and is not decoded at all."""
     calls: list[tuple[float, ...]] = []
     r = replica(codec=FnCodec(lambda p: (calls.append(p), decode(p))[1]))
     later, first = make("a", 2), make("a", 1)
-    assert r.offer(later)[0] is MergeOutcome.BUFFERED and r.offer(first)[0] is MergeOutcome.MERGED
-    assert len(calls) == 2 and r.version_vector.get("a") == 2
+    assert r.offer(later)[0] is MergeOutcome.BUFFERED
+    assert r._slots.buffer.decoded_bytes == 0 and len(calls) == 1
+    assert r.offer(first)[0] is MergeOutcome.MERGED
+    assert len(calls) == 3 and r.version_vector.get("a") == 2
     own = make("b", 1)
-    assert r.offer(own, decoded=decode(own.payload))[0] is MergeOutcome.MERGED and len(calls) == 2
+    assert r.offer(own, decoded=decode(own.payload))[0] is MergeOutcome.MERGED and len(calls) == 3
     assert torch.allclose(r.theta, reference([later, first, own]))
 
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import p2p_diloco.sync.accumulator as accumulator
+import p2p_diloco.sync.decoded as decoded_module
 import p2p_diloco.train.outer as outer
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.sync.accumulator import Accumulator
@@ -69,7 +69,7 @@ def test_chunked_merge_is_the_whole_product(numel, factor, multiplier, seed) -> 
     theta, step = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
     want = theta - (step * factor) * multiplier
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(accumulator, "CHUNK", 61)
+        patch.setattr(decoded_module, "CHUNK", 61)
         acc = Accumulator(theta.clone())
         assert acc.subtract(step, float(step.abs().max()) * factor, factor=factor, multiplier=multiplier)
         assert torch.equal(acc.theta, want)
@@ -87,7 +87,9 @@ def test_reference_of_a_large_model_keeps_a_sample_and_the_same_cosines() -> Non
     along = direction + 0.5 * torch.randn(n, generator=g)
     full_cos = float(torch.dot(along, direction) / (along.norm() * direction.norm()))
     agreement, ratio = ref.compare(along)
-    assert abs(agreement - full_cos) < 0.005 and ratio == pytest.approx(float(along.norm() / direction.norm()))
+    # (the norms are summed in float64, chunk by chunk: float32's whole-vector norm is off by ~2e-5 here)
+    expected_ratio = float(along.norm() / direction.norm())
+    assert abs(agreement - full_cos) < 0.005 and ratio == pytest.approx(expected_ratio, rel=1e-4)
     assert ref.compare(-along)[0] == pytest.approx(-agreement)
 
 
