@@ -22,8 +22,10 @@ Considered and not taken: a bound relative to the sender's own previous norms (i
 across holes, but an attacker can grow it geometrically, and it trips on honest warm-up) and one relative
 to the recent norms of all senders (receiver-dependent, see above).
 
-An honest sender must never trip it: it clips its own payload with `MergePolicy.sender_clip` before
-compressing it (train/outer.py), so the worst an unusually large honest update suffers is a clip.
+An honest sender must never trip it: it clips its own payload to `MergePolicy.sender_limit` before
+compressing it (train/outer.py `outer_update(limit=)`), so the worst an unusually large honest update suffers
+is a clip (the learner logs it). Without it an honest unit whose model an attack had driven far (weight decay's
+term grows with |phi|) refused its own update and stopped (BENCHMARKS' "broke down" rows of the crowd bench).
 
 **Aggregation (how each payload is shaped before the weighted sum), `defence.aggregation`:**
 - `sum`: as signed (DiLoCo's merge).
@@ -208,8 +210,14 @@ class MergePolicy:
         if self.window is not None:
             self.window.observe(Decoded.of(delta).whole())
 
+    @property
+    def sender_limit(self) -> float:
+        """The largest |coordinate| an honest sender gives its payload before compression (inf: no bound): every
+        peer's `screen` then passes the decoded payload, and under coord_clip it is what every peer would clip to
+        anyway. train/outer.py `outer_update(limit=)` applies it."""
+        return min(self.reject_above, self.clip_at) * SENDER_MARGIN
+
     def sender_clip(self, d: Tensor) -> Tensor:
-        """The sender's side of the bound: clip its payload (before compression) so every peer accepts it,
-        and, under coord_clip, to what every peer would clip it to anyway (so its error feedback sees it)."""
-        limit = min(self.reject_above, self.clip_at) * SENDER_MARGIN
+        """`d` clipped to `sender_limit` (a new tensor where it clips)."""
+        limit = self.sender_limit
         return d.clamp(-limit, limit) if math.isfinite(limit) else d

@@ -37,6 +37,7 @@ import torch
 
 from p2p_diloco.config import RunSpec
 from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data.corpus import Corpus, evaluate
@@ -90,6 +91,7 @@ class Learner:
         self._params_changed = self._optimizer_changed = False  # to send to the unit's other processes
         self.numel = theta.numel()
         self.codec = get_codec(spec.outer.codec, spec.outer.codec_block)  # the peer's one codec: shared below
+        self.sender_limit = MergePolicy.from_spec(spec).sender_limit  # our payload stays inside every peer's bound
         self.replica = Replica.from_spec(spec, theta, codec=self.codec, self_id=self.peer_id)
         if replica_state is not None:
             self.replica.load(*replica_state)
@@ -205,7 +207,10 @@ class Learner:
         self.in_phase = False
         stretch = max(1, result.steps // self.spec.inner.inner_steps)
         payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch,
-                                        consume=True)
+                                        consume=True, limit=self.sender_limit)
+        if self.outer_state.clipped:
+            logger.warning("own update clipped to the run's norm bound coordinates=%d limit=%.3g (the excess is "
+                           "dropped: every peer would refuse it)", self.outer_state.clipped, self.sender_limit)
         tau = self.replica.version_vector.staleness(phase.version_vector)
         # A phase stretched to k*H steps (train/loop.py) is k rounds: it signs all its samples and weighs k rounds'
         # share; its payload is the mean of the k rounds' Nesterov outputs (train/outer.py `outer_update`).

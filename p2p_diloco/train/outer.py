@@ -21,6 +21,7 @@ The simulated swarms' losses moved by at most ~0.1% (BENCHMARKS.md "Big models")
 
 from __future__ import annotations
 
+import math
 import mmap
 import tempfile
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ class OuterState:
     momentum: torch.Tensor
     error: torch.Tensor
     maps: tuple[mmap.mmap, ...] = ()  # the file mappings behind m and e (`in_files`), else none
+    clipped: int = 0  # coordinates the last `outer_update` clipped to its `limit`
 
     @classmethod
     def zeros(cls, numel: int, dtype: torch.dtype = STATE_DTYPE) -> OuterState:
@@ -124,7 +126,7 @@ def chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
 
 
 def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec,
-                 rounds: int = 1, *, consume: bool = False) -> tuple[bytes, torch.Tensor]:
+                 rounds: int = 1, *, consume: bool = False, limit: float = math.inf) -> tuple[bytes, torch.Tensor]:
     """Apply momentum and compression to a pseudo-gradient; returns (payload, decompressed payload).
 
     The sender merges the decompressed payload into its own replica, exactly what receivers get. With `consume`
@@ -136,6 +138,11 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
     weight (`update_weight` of all its samples): theta moves as k updates of equal deltas would have moved it,
     `m` ends as after k rounds, and the payload stays inside the bound on one round's honest update
     (sync/robust.py). The carried error `e` is kept in one round's units (the payload weighs k times more).
+
+    `limit` (the run's `MergePolicy.sender_limit`): what goes into the codec is clipped to it, so every peer's
+    norm bound passes our update; the excess is dropped, not carried in `e` (a clip that recurs would grow `e`
+    without end). `state.clipped` counts the coordinates clipped. Honest runs stay far inside it (0.15-0.2 of the
+    bound on the `test` preset), so it changes nothing there.
     """
     d = delta if consume else delta.clone()
     mu, m, e = cfg.momentum, state.momentum, state.error
@@ -162,6 +169,11 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
         for c in chunks(d.numel()):
             d[c].add_(e[c].float() if rounds == 1 else e[c].float() / rounds)
             state.release(c)
+    state.clipped = 0
+    if math.isfinite(limit):
+        for c in chunks(d.numel()):
+            state.clipped += int((d[c].abs() > limit).sum())
+            d[c].clamp_(-limit, limit)
     payload = codec.compress(d)
     if cfg.error_feedback:
         # e <- d - decoded, and d <- decoded, a chunk at a time: d's buffer ends as the decoded payload.

@@ -108,3 +108,18 @@ def test_a_joiner_takes_the_swarms_decay_but_warms_up_its_own_adamw(corpus):
     # The optimizer really runs at that lr.
     joiner.run_inner(phase, 1)
     assert joiner.optimizer.param_groups[0]["lr"] == pytest.approx(s.inner.lr / 4)
+
+
+def test_an_update_past_the_runs_norm_bound_is_clipped_not_refused(corpus, caplog):
+    # A norm bound far tighter than honest updates (as when an attack has driven the model where weight decay's
+    # term is large): the unit clips its own payload to what every peer accepts, merges it and goes on, where it
+    # used to refuse its own update and stop ("own update not merged: REJECTED_NORM").
+    tight = dataclasses.replace(spec(), defence=dataclasses.replace(BASE.defence, norm_bound=1e-4))
+    learner = make(corpus, tight)
+    exchange = CollectingExchange(SwarmView(num_peers=1, samples_per_round=tight.data.batch_size * 4))
+    with caplog.at_level("WARNING", logger="p2p_diloco.train.learner"):
+        run_rounds(learner, exchange, 2)
+    assert len(exchange.sent) == 2 and learner.outer_state.clipped > 0
+    assert "own update clipped" in caplog.text
+    decoded = learner.codec.decompress(exchange.sent[-1].payload, learner.numel)
+    assert float(decoded.abs().max()) <= learner.sender_limit

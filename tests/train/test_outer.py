@@ -99,3 +99,16 @@ def test_outer_state_in_bfloat16_rounds_only_what_is_stored(mu, seed):
         largest = torch.maximum(largest, exact.momentum.abs())
         gap = (low.momentum.float() - exact.momentum).abs()
         assert bool((gap <= largest * 2 ** -8 / (1 - mu) * 1.01 + 1e-7).all())
+
+
+def test_a_payload_is_clipped_to_the_limit_and_the_excess_is_not_carried():
+    cfg, codec = OuterConfig(momentum=0.0, codec="int8"), get_codec("int8", 64)
+    state = OuterState.zeros(1000)
+    delta = torch.linspace(-2.0, 2.0, 1000)
+    payload, decoded = outer_update(delta, state, cfg, codec, limit=1.0)
+    assert state.clipped == int((delta.abs() > 1.0).sum()) > 0
+    assert float(decoded.abs().max()) <= 1.0
+    # e holds only the codec's error of the clipped input, not the clipped-off excess
+    assert float(state.error.float().abs().max()) <= float(codec.error_bound(delta.clamp(-1, 1)).max()) * 1.01
+    outer_update(delta, state, cfg, codec)  # no limit: nothing clipped
+    assert state.clipped == 0
