@@ -80,12 +80,16 @@ class CopyWindow:
     def sample(self, delta: Tensor | Decoded) -> Tensor | None:
         """The payload at the fixed COPY_SAMPLE coordinates, unit length (None if it is zero)."""
         decoded = Decoded.of(delta)
-        if self._sample_at is None or int(self._sample_at.max()) >= decoded.numel:
-            g = torch.Generator().manual_seed(COPY_SEED)
-            self._sample_at = torch.randint(0, decoded.numel, (min(COPY_SAMPLE, decoded.numel),), generator=g)
-        sample = decoded.take(self._sample_at)
+        sample = decoded.take(self.sample_at(decoded.numel))
         norm = float(sample.norm())
         return sample / norm if norm > 0 and math.isfinite(norm) else None
+
+    def sample_at(self, numel: int) -> Tensor:
+        """The fixed coordinates the test compares, for a payload of `numel` values (drawn once per size)."""
+        if self._sample_at is None or int(self._sample_at.max()) >= numel:
+            g = torch.Generator().manual_seed(COPY_SEED)
+            self._sample_at = torch.randint(0, numel, (min(COPY_SAMPLE, numel),), generator=g).sort().values
+        return self._sample_at
 
     def _remember(self, sender: str, seq: int, sample: Tensor, state: str) -> None:
         """Add a payload's sample; the ring's row is the oldest entry's, which the deque drops."""

@@ -32,6 +32,8 @@ class Decoded:
         self._tensor = tensor
         self._stats: tuple[float, float] | None = None  # (peak, norm), from one pass
         self._single: Tensor | None = None  # a payload of one chunk, decoded once
+        self._wanted: list[Tensor] = []  # index sets the first pass also takes (`want`)
+        self._taken: dict[int, tuple[Tensor, Tensor]] = {}  # id(at) -> (at, its values)
 
     @classmethod
     def of(cls, x: Tensor | Decoded) -> Decoded:
@@ -75,10 +77,19 @@ class Decoded:
             part = slice(start, min(self.numel, start + CHUNK))
             yield part, self._read(part)
 
+    def want(self, *ats: Tensor) -> None:
+        """Take the values at these index sets in the first pass (`peak`), so a later `take` of the same tensor
+        reads no chunk again: screening runs that pass outside the replica's lock, the standing takes under it."""
+        if self._stats is None and self._tensor is None:
+            self._wanted.extend(ats)
+
     def _scan(self) -> tuple[float, float]:
         if self._stats is None:
             top, squares = 0.0, 0.0
-            for _, values in self.chunks():
+            gathers = [(at, *_sorted(at), torch.empty(at.numel(), dtype=torch.float32)) for at in self._wanted]
+            for part, values in self.chunks():
+                for _, order, ordered, out in gathers:
+                    _gather(part, values, order, ordered, out)
                 if not values.numel():
                     continue
                 here = float(torch.linalg.vector_norm(values, ord=math.inf))
@@ -88,6 +99,8 @@ class Decoded:
                 wide = values.double()  # float64 sums: the same on every replica's path, and exact enough
                 top, squares = max(top, here), squares + float(wide.mul_(wide).sum())
             self._stats = (top, math.sqrt(squares))
+            self._taken = {id(at): (at, out) for at, _, _, out in gathers}
+            self._wanted = []
         return self._stats
 
     def peak(self) -> float:
@@ -102,13 +115,13 @@ class Decoded:
         """The values at indices `at` (a 1-D int64 tensor, any order, repeats allowed)."""
         if self._tensor is not None:
             return self._tensor[at]
+        kept = self._taken.get(id(at))
+        if kept is not None and kept[0] is at:
+            return kept[1]
         out = torch.empty(at.numel(), dtype=torch.float32)
-        order = torch.argsort(at)
-        ordered = at[order]
+        order, ordered = _sorted(at)
         for part, values in self.chunks():
-            lo, hi = (int(i) for i in torch.searchsorted(ordered, torch.tensor([part.start, part.stop])))
-            if hi > lo:
-                out[order[lo:hi]] = values[ordered[lo:hi] - part.start]
+            _gather(part, values, order, ordered, out)
         return out
 
     def whole(self) -> Tensor:
@@ -119,3 +132,23 @@ class Decoded:
         for part, values in self.chunks():
             out[part] = values
         return out
+
+
+def _sorted(at: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(order, at[order]) with at[order] ascending; order None where `at` is sorted already (the standing's
+    coordinates are: nothing to allocate for them)."""
+    if at.numel() < 2 or bool((at[1:] >= at[:-1]).all()):
+        return None, at
+    order = torch.argsort(at)
+    return order, at[order]
+
+
+def _gather(part: slice, values: Tensor, order: Tensor | None, ordered: Tensor, out: Tensor) -> None:
+    """out[j] = values at at[j], for the at[j] inside `part` (`ordered` = at sorted, `order` its permutation)."""
+    lo, hi = (int(i) for i in torch.searchsorted(ordered, torch.tensor([part.start, part.stop])))
+    if hi > lo:
+        taken = values[ordered[lo:hi] - part.start]
+        if order is None:
+            out[lo:hi] = taken
+        else:
+            out[order[lo:hi]] = taken

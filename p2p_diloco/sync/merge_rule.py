@@ -44,8 +44,9 @@ class MergeRule:
     def screen(self, update: UpdateLike, decoded: Tensor | Decoded | None, *,
                screen_only: bool = False) -> Prepared:
         """Rule 4 after the layout check (sync/screening.py), with this rule's codec, policy and constants."""
+        samples = self.standing.sample_indices(self.sum.theta.numel()) if self.standing is not None else []
         return prepare(update, self.sum.theta, codec=self.codec, policy=self.policy, outer_lr=self.outer_lr,
-                       max_weight=self.max_weight, decoded=decoded, screen_only=screen_only)
+                       max_weight=self.max_weight, decoded=decoded, screen_only=screen_only, samples=samples)
 
     def apply(self, update: UpdateLike, prepared: Prepared, slots: Slots,
               clock: Callable[[], float]) -> tuple[MergeOutcome, bool]:

@@ -35,14 +35,19 @@ class Reference:
         self.norm = 0.0  # decaying maximum of the (full) norms of the payloads folded into the reference
         self.at: Tensor | None = None
 
-    def _sample(self, delta: Decoded) -> Tensor:
-        n = delta.numel
-        if n <= REFERENCE_SAMPLE:
-            return delta.whole()
-        if self.at is None or int(self.at.max()) >= n:
+    def sample_at(self, numel: int) -> Tensor | None:
+        """The fixed coordinates kept of a payload of `numel` values (None: all of them)."""
+        if numel <= REFERENCE_SAMPLE:
+            return None
+        if self.at is None or int(self.at.max()) >= numel:
             g = torch.Generator().manual_seed(0)  # fixed: every replica keeps the same coordinates
-            self.at = torch.randint(0, n, (REFERENCE_SAMPLE,), generator=g)  # not randperm: 8 B/param
-        return delta.take(self.at)
+            # not randperm (8 B/param); sorted, so a pass over a payload takes them in order (sync/decoded.py)
+            self.at = torch.randint(0, numel, (REFERENCE_SAMPLE,), generator=g).sort().values
+        return self.at
+
+    def _sample(self, delta: Decoded) -> Tensor:
+        at = self.sample_at(delta.numel)
+        return delta.whole() if at is None else delta.take(at)
 
     def compare(self, delta: Tensor | Decoded) -> tuple[float, float]:
         """(cosine of `delta` with the reference, its norm over the reference norm); 1.0 where a norm is 0."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +58,12 @@ def header_ok(update: UpdateLike) -> bool:
 
 
 def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePolicy, outer_lr: float,
-            max_weight: float, decoded: Tensor | Decoded | None = None, screen_only: bool = False) -> Prepared:
+            max_weight: float, decoded: Tensor | Decoded | None = None, screen_only: bool = False,
+            samples: Sequence[Tensor] = ()) -> Prepared:
     """Decode (unless `decoded`, the same codec's output for this payload, is given), check finiteness and the
     norm bound, shape and weight. `screen_only`: the rejection (or none) and the decoded delta, nothing more.
-    The payload is decoded a chunk at a time on each read, unless the policy shapes whole vectors (a clip)."""
+    The payload is decoded a chunk at a time on each read, unless the policy shapes whole vectors (a clip); the
+    pass that finds its peak also takes its values at `samples` (the standing's coordinates)."""
     try:
         weight = float(update.weight)
     except OverflowError:  # an int weight beyond the float range
@@ -78,6 +81,7 @@ def prepare(update: UpdateLike, theta: Tensor, *, codec: Codec, policy: MergePol
             delta = Decoded.of(given if isinstance(given, Decoded) else given.detach().to(theta.device))
         else:
             return Prepared(rejection=MergeOutcome.REJECTED_INVALID)
+        delta.want(*samples)
         top = delta.peak()  # the first read of every chunk: a malformed payload raises here, before any merge
     except Exception as exc:  # a remote payload must never crash the peer (invariant 1)
         logger.warning("update rejected reason=decode_error sender=%s seq=%d error=%r",

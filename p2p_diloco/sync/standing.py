@@ -151,6 +151,13 @@ class Standing:
         if sender == self.self_id or sender in self.authors.good:
             self.reference.fold(delta)
 
+    def sample_indices(self, numel: int) -> list[Tensor]:
+        """The coordinates `judge` and `observe` read of a payload of `numel` values: screening takes them in
+        its one pass over the payload (sync/decoded.py `Decoded.want`), outside the replica's lock."""
+        ats = [self.copies.sample_at(numel)] if self.copy_cosine > 0 else []
+        at = self.reference.sample_at(numel)
+        return ats if at is None else [*ats, at]
+
     def copies_found(self) -> list[tuple[str, int, str]]:
         """(author, seq, reason) of merged updates found to be copies only after they merged (drains the list),
         whose weight must now be taken back (`Replica.unmerge(keep_slot=True)`, run by `Intake`), so that the

@@ -104,3 +104,41 @@ def test_a_receiver_never_holds_a_remote_update_decoded_whole() -> None:
     # A few chunk-sized buffers in flight (~90 MiB measured here, the same at 128M parameters), not the 256 MiB
     # of decoded floats on top of them that a whole decode holds (the code before measured 286 MiB).
     assert int(grew_kib) < 128 * 1024, f"the merge's peak grew by {int(grew_kib) / 1024:.0f} MiB"
+
+
+class CountingCodec:
+    """The run's codec, counting the chunks it decodes."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.chunks = inner, inner.name, 0
+
+    def decompress(self, data, numel):
+        return self.inner.decompress(data, numel)
+
+    def decompress_range(self, data, numel, part):
+        self.chunks += 1
+        return self.inner.decompress_range(data, numel, part)
+
+
+def test_a_remote_merge_reads_its_payload_twice(monkeypatch) -> None:
+    # One pass outside the lock (peak, norm and the standing's sampled coordinates), one for the axpy: the copy
+    # test and the reference read what the first pass took, whatever the model's size.
+    import p2p_diloco.sync.reference as reference_module
+    from p2p_diloco.config import RunSpec
+
+    monkeypatch.setattr(decoded_module, "CHUNK", 256)
+    monkeypatch.setattr(reference_module, "REFERENCE_SAMPLE", 300)  # a "large" model: the reference samples it
+    spec, numel = RunSpec(), 2000
+    codec = CountingCodec(get_codec(spec.outer.codec, spec.outer.codec_block))
+    replica = Replica.from_spec(spec, torch.zeros(numel), codec=codec, self_id="me")
+    g = torch.Generator().manual_seed(0)
+    chunks = -(-numel // 256)
+    own = codec.inner.compress(torch.randn(numel, generator=g) * 1e-4)  # ours: the reference starts from it
+    assert replica.offer(_update("me", 1, own), decoded=codec.inner.decompress(own, numel))[0] is MergeOutcome.MERGED
+    assert replica.standing is not None and replica.standing.reference.vector is not None
+    for seq in (1, 2, 3, 4):
+        for author in ("a", "b", "c"):
+            payload = codec.inner.compress(torch.randn(numel, generator=g) * 1e-4)
+            codec.chunks = 0
+            assert replica.offer(_update(author, seq, payload))[0] is MergeOutcome.MERGED
+            assert codec.chunks == 2 * chunks, (author, seq, codec.chunks)
