@@ -208,9 +208,6 @@ class Learner:
         stretch = max(1, result.steps // self.spec.inner.inner_steps)
         payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch,
                                         consume=True, limit=self.sender_limit)
-        if self.outer_state.clipped:
-            logger.warning("own update clipped to the run's norm bound coordinates=%d limit=%.3g (the excess is "
-                           "dropped: every peer would refuse it)", self.outer_state.clipped, self.sender_limit)
         tau = self.replica.version_vector.staleness(phase.version_vector)
         # A phase stretched to k*H steps (train/loop.py) is k rounds: it signs all its samples and weighs k rounds'
         # share; its payload is the mean of the k rounds' Nesterov outputs (train/outer.py `outer_update`).

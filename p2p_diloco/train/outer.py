@@ -21,6 +21,7 @@ The simulated swarms' losses moved by at most ~0.1% (BENCHMARKS.md "Big models")
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import tempfile
@@ -32,6 +33,8 @@ import torch
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.wire.codecs import Codec
+
+logger = logging.getLogger(__name__)
 
 
 def pseudo_gradient(theta0: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
@@ -174,6 +177,9 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
         for c in chunks(d.numel()):
             state.clipped += int((d[c].abs() > limit).sum())
             d[c].clamp_(-limit, limit)
+        if state.clipped:
+            logger.warning("own update clipped to the run's norm bound coordinates=%d limit=%.3g (the excess is "
+                           "dropped: every peer would refuse it)", state.clipped, limit)
     payload = codec.compress(d)
     if cfg.error_feedback:
         # e <- d - decoded, and d <- decoded, a chunk at a time: d's buffer ends as the decoded payload.

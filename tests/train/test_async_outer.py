@@ -117,7 +117,7 @@ def test_an_update_past_the_runs_norm_bound_is_clipped_not_refused(corpus, caplo
     tight = dataclasses.replace(spec(), defence=dataclasses.replace(BASE.defence, norm_bound=1e-4))
     learner = make(corpus, tight)
     exchange = CollectingExchange(SwarmView(num_peers=1, samples_per_round=tight.data.batch_size * 4))
-    with caplog.at_level("WARNING", logger="p2p_diloco.train.learner"):
+    with caplog.at_level("WARNING", logger="p2p_diloco.train.outer"):
         run_rounds(learner, exchange, 2)
     assert len(exchange.sent) == 2 and learner.outer_state.clipped > 0
     assert "own update clipped" in caplog.text
