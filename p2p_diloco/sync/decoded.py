@@ -6,7 +6,8 @@ the payload bytes, one chunk decoded at a time (`Codec.decompress_range`), or fr
 sender's own update, a clip policy's input). Both read the same chunks, bit for bit the whole decode's values,
 in the same order, so every number they give (a float64 sum of squares included) is the same on every replica
 whichever path it took there. A remote update then costs a receiver a chunk (16 MB) at a time, not 4 bytes per
-parameter, at the price of decoding it once per read: the peak and norm together, each sample, the axpy.
+parameter, at the price of decoding it twice: screening's pass (outside the replica's lock) finds the peak and
+the norm and takes the standing's sampled coordinates (`want`), and the axpy's pass under the lock.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 from p2p_diloco.wire.codecs import Codec, Payload
 
 CHUNK = 1 << 22
-"""Values per chunk (16 MB of float32); sync/accumulator.py's merge chunks are the same."""
+"""Values per chunk (16 MB of float32); sync/accumulator.py's merge reads these chunks."""
 
 
 class Decoded:

@@ -16,7 +16,7 @@ is already the codec's rounding error, so bfloat16's rounding of it (at most 2^-
 orders below what error feedback recovers. `m` is rounded once per round and each rounding decays by mu per
 round, so the error in `m` stays within 2^-8 / (1 - mu) of its largest |m| (0.6% at the default mu 0.3, 4% at
 DiLoCo's 0.9; rounding errors are unbiased, so the typical one is far smaller) and does not grow over a run.
-The simulated swarms' losses moved by at most ~0.1% (BENCHMARKS.md "Big models").
+The simulated swarms' losses moved by at most 0.02% (BENCHMARKS.md "Big models").
 """
 
 from __future__ import annotations

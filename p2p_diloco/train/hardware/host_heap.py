@@ -5,8 +5,9 @@ each time a large block is freed, so after the first phase the outer step's chun
 and a checkpoint's buffers are carved from the heap and left there, free but resident, scattered between blocks
 still in use. The next phase's gradients and activations then come on top: measured 3 B/parameter of the
 unit's peak (BENCHMARKS.md "Big models"). A fixed low threshold would avoid it, at 20-40% of a CPU inner step's
-time (every activation mapped and faulted in afresh); `malloc_trim(0)` once per phase, at its start, returns
-every free page of every heap for a few milliseconds.
+time (every activation mapped and faulted in afresh); `malloc_trim(0)` returns every free page of every heap
+for a few milliseconds, and the round loop calls it twice a round: at a phase's start, and at its end before the
+outer step (train/loop.py).
 """
 
 from __future__ import annotations
