@@ -115,8 +115,8 @@ class MeasuredSwarm(AsyncSwarm):
             h = update.header
             w = min(max(h.weight, 0.0), self.spec.outer.max_weight)
             step = self.spec.outer.outer_lr * w * learner.codec.decompress(update.payload, h.numel).float()
-            row = {"t": self.steps_published / self.sim.total_steps, "tau": h.tau,
-                   "local": self.judge.change(learner.replica.snapshot()[0], step)}
+            row = {"t": self.steps_published / self.sim.total_steps, "tau": h.tau, "author": update.sender,
+                   "seq": update.seq, "local": self.judge.change(learner.replica.snapshot()[0], step)}
             if key not in self.judged:  # the base-point judgments once per update (the same on every replica)
                 self.judged.add(key)
                 noise = torch.randn(step.numel(), generator=self.noise_rng)
@@ -166,6 +166,34 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def record_table(rows: list[dict], sizes: tuple[int, ...] = (1, 2, 4, 8)) -> str:
+    """An author judged on its record: the sum of the base-point dL of its last k updates (each window of k
+    consecutive updates of one author), against the same sum for what an attacker would publish in their place.
+    Rows: how often an honest record is judged harmful (sum <= 0) and an attack's record useful (sum > 0), for
+    windows ending in the middle or late third of the run (where single updates are judged worst)."""
+    base_rows = [r for r in rows if "honest" in r and "author" in r]
+    by_author: dict[tuple, list[dict]] = {}
+    for r in base_rows:
+        by_author.setdefault((r.get("seed"), r["author"]), []).append(r)
+    out = ["| record of k updates | " + " | ".join(f"{kind} (judged {'useful' if kind != 'honest' else 'harmful'})"
+                                                   for kind in KINDS) + " | windows |",
+           "|---:|" + "---:|" * (len(KINDS) + 1)]
+    for k in sizes:
+        windows = []
+        for updates in by_author.values():
+            updates.sort(key=lambda r: r["seq"])
+            windows += [updates[i - k + 1: i + 1] for i in range(k - 1, len(updates)) if updates[i]["t"] >= 1 / 3]
+        if not windows:
+            continue
+        cells = []
+        for kind in KINDS:
+            useful = kind != "honest"
+            hit = sum((sum(r[kind] for r in w) > 0) == useful for w in windows)
+            cells.append(f"{100 * hit / len(windows):.1f}%")
+        out.append(f"| {k} | {' | '.join(cells)} | {len(windows)} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="test")
@@ -199,7 +227,7 @@ def main() -> int:
         rows += [{**r, "seed": seed} for r in swarm.rows]
         forwards += swarm.judge.forwards
         updates += len(swarm.judged)
-    md = table(rows)
+    md = table(rows) + "\n\nBy the author's record (middle and late thirds):\n\n" + record_table(rows)
     H, bs = args.inner_steps, preset(args.preset).data.batch_size
     cost = (f"\nOne judgment: 2 x {args.batches} forward passes of batch {bs}; a unit's phase: {H} training steps "
             f"(~3 forward-equivalents each) = {3 * H} forwards: judging every update of N peers costs "
