@@ -39,7 +39,7 @@ class Reference:
         """The fixed coordinates kept of a payload of `numel` values (None: all of them)."""
         if numel <= REFERENCE_SAMPLE:
             return None
-        if self.at is None or int(self.at.max()) >= numel:
+        if self.at is None or int(self.at[-1]) >= numel:  # sorted: the last is the largest
             g = torch.Generator().manual_seed(0)  # fixed: every replica keeps the same coordinates
             # not randperm (8 B/param); sorted, so a pass over a payload takes them in order (sync/decoded.py)
             self.at = torch.randint(0, numel, (REFERENCE_SAMPLE,), generator=g).sort().values

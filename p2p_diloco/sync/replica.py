@@ -29,7 +29,7 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    peer), so every rejection from rule 4 bans the sender at once, which also frees the buffer it would fill.
    An update that must wait for a gap is screened (decode, finiteness, norm bound) before it is buffered, so
    nothing this replica keeps, and its peer serves, has failed a check of the update alone.
-   An honest learner checks its own payload against the same bound before signing (`MergePolicy.sender_clip`).
+   An honest learner clips its own payload to the same bound before signing (`MergePolicy.sender_limit`).
    An update whose header is malformed (the wire layer should have caught it) is REJECTED_INVALID without a
    ban: its sender field cannot be trusted.
 5. `ban(sender, reason)` is public: the network side bans a sender on verified evidence from another peer

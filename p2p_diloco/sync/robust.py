@@ -146,8 +146,8 @@ class MergePolicy:
     """The RunSpec's rules between decoding a payload and the axpy; one instance per replica.
 
     `screen` (stateless, any thread) says why a payload is refused; `shape` and `observe` run under the
-    replica's lock (centered_clip keeps state); `sender_clip` is what an honest learner applies to its own
-    payload before compressing it, so that its update passes every peer's `screen`.
+    replica's lock (centered_clip keeps state); `sender_limit` is what an honest learner clips its own
+    payload to before compressing it (train/outer.py), so that its update passes every peer's `screen`.
     """
 
     def __init__(self, defence: DefenceConfig, coord_bound: float) -> None:
@@ -216,8 +216,3 @@ class MergePolicy:
         peer's `screen` then passes the decoded payload, and under coord_clip it is what every peer would clip to
         anyway. train/outer.py `outer_update(limit=)` applies it."""
         return min(self.reject_above, self.clip_at) * SENDER_MARGIN
-
-    def sender_clip(self, d: Tensor) -> Tensor:
-        """`d` clipped to `sender_limit` (a new tensor where it clips)."""
-        limit = self.sender_limit
-        return d.clamp(-limit, limit) if math.isfinite(limit) else d

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.config import DefenceConfig, preset
+from p2p_diloco.config import DefenceConfig, OuterConfig, preset
 from p2p_diloco.sync.robust import (
     CenteredClipWindow,
     MergePolicy,
@@ -18,6 +18,7 @@ from p2p_diloco.sync.robust import (
     centered_clip,
     honest_coord_bound,
 )
+from p2p_diloco.train.outer import OuterState, outer_update
 from p2p_diloco.wire.codecs import get_codec
 
 SPEC = preset("test")
@@ -67,10 +68,12 @@ def test_screen_rejects_above_the_bound_only() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.floats(1e-3, 1e4), st.integers(0, 2**31), st.sampled_from(["int8", "int4", "fp16", "fp32"]))
 def test_sender_clip_makes_any_payload_pass_every_peers_screen(scale: float, seed: int, codec_name: str) -> None:
+    # The sender's own path: the outer step clips what enters the codec to the policy's sender limit.
     policy = MergePolicy.from_spec(with_defence(aggregation="coord_clip"))
     codec = get_codec(codec_name, 64)
     d = torch.randn(300, generator=torch.Generator().manual_seed(seed)) * scale
-    decoded = codec.decompress(codec.compress(policy.sender_clip(d)), d.numel())
+    plain = OuterConfig(momentum=0.0, error_feedback=False)
+    _, decoded = outer_update(d, OuterState.zeros(300, torch.float32), plain, codec, limit=policy.sender_limit)
     assert policy.screen(decoded) is None
     assert torch.equal(policy.shape(decoded), decoded)  # already within the clip: merged as sent
 
