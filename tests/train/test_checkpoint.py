@@ -473,3 +473,19 @@ def test_the_journal_keeps_the_newest_own_updates_to_publish_them_again(tmp_path
     b, state, info = restarted(tmp_path, identity, corpus)
     assert info["replayed"] == 0 and b.last_seq == rounds  # journaled but not newer: nothing is counted twice
     assert [u.seq for u in state.journaled()][-1] == rounds
+
+
+def test_a_checkpoint_with_float32_outer_state_still_loads(identity: Identity, corpus) -> None:
+    # Checkpoints written before m and e were stored in bfloat16 hold them in float32: they load, rounded.
+    a = learner(identity, corpus)
+    one_round(a, Collect())
+    tensors, meta = a.state_dict()
+    older = {**tensors, "outer.momentum": tensors["outer.momentum"].float(), "outer.error": tensors["outer.error"].float()}
+    b = learner(identity, corpus)
+    b.load_state_dict(older, meta)
+    assert b.outer_state.momentum.dtype == torch.bfloat16
+    assert torch.equal(b.outer_state.momentum, a.outer_state.momentum)
+    assert torch.equal(b.outer_state.error, a.outer_state.error)
+    assert float(a.outer_state.momentum.float().abs().max()) > 0  # a real state, not zeros
+    with pytest.raises(ValueError, match="outer.momentum"):
+        b.load_state_dict({**tensors, "outer.momentum": tensors["outer.momentum"].half()}, meta)
