@@ -480,7 +480,8 @@ def test_a_checkpoint_with_float32_outer_state_still_loads(identity: Identity, c
     a = learner(identity, corpus)
     one_round(a, Collect())
     tensors, meta = a.state_dict()
-    older = {**tensors, "outer.momentum": tensors["outer.momentum"].float(), "outer.error": tensors["outer.error"].float()}
+    older = {**tensors, "outer.momentum": tensors["outer.momentum"].float(),
+             "outer.error": tensors["outer.error"].float()}
     b = learner(identity, corpus)
     b.load_state_dict(older, meta)
     assert b.outer_state.momentum.dtype == torch.bfloat16
