@@ -7,7 +7,9 @@ agreement) are the snapshot's, as view/figures.py defines them: this view comput
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -223,25 +225,94 @@ def watch(
     shown = 0
     if stop.is_set() or (max_frames is not None and max_frames <= 0):
         return 0
-    try:
-        if live_ok:
-            live = Live(Text("connecting…", style="dim"), console=console, screen=False, auto_refresh=False,
-                        transient=False)
-            with live:  # its exit shows the cursor again and keeps the last frame, whatever ends the loop
-                try:
-                    for view, err in frames(fetch, interval_s, lambda: console.width):
-                        live.update(view if err is None else Group(view, err), refresh=True)
-                        shown += 1
-                        if (max_frames is not None and shown >= max_frames) or stop.wait(interval_s):
-                            break
-                except KeyboardInterrupt:
-                    pass
-        else:
-            for view, err in frames(fetch, interval_s, lambda: console.width):
-                console.print(view if err is None else err)
-                shown += 1
-                if (max_frames is not None and shown >= max_frames) or stop.wait(interval_s):
-                    break
-    except KeyboardInterrupt:  # Ctrl-C between frames, or while Live was tidying up: the terminal is left as is
-        pass
+    with _CtrlC() as ctrl_c:
+        fetch = ctrl_c.interruptible(fetch)
+        try:
+            if live_ok:
+                live = Live(Text("connecting…", style="dim"), console=console, screen=False, auto_refresh=False,
+                            transient=False)
+                with live:  # its exit shows the cursor again and keeps the last frame, whatever ends the loop
+                    try:
+                        for view, err in frames(fetch, interval_s, lambda: console.width):
+                            live.update(view if err is None else Group(view, err), refresh=True)
+                            shown += 1
+                            if (max_frames is not None and shown >= max_frames) or ctrl_c.wait(stop, interval_s):
+                                break
+                    except KeyboardInterrupt:
+                        pass
+            else:
+                for view, err in frames(fetch, interval_s, lambda: console.width):
+                    console.print(view if err is None else err)
+                    shown += 1
+                    if (max_frames is not None and shown >= max_frames) or ctrl_c.wait(stop, interval_s):
+                        break
+        except KeyboardInterrupt:  # Ctrl-C during a fetch, seen by ctrl_c.interruptible
+            pass
     return 0
+
+
+class _CtrlC:
+    """Ctrl-C as a flag the watch loop polls, never as an exception raised wherever the main thread happens to be.
+
+    Python raises KeyboardInterrupt at any bytecode; inside `Event.wait` it can land while the condition re-acquires
+    its lock, and the `with` then fails with "RuntimeError: release unlocked lock" (CPython's known hazard; CI saw
+    `status --watch` exit 1 that way). The handler only sets a flag and touches no lock; the loop's waits poll it, and
+    a fetch runs on a helper thread so a DHT read that takes seconds does not hold up the exit. Off the main thread
+    (a test, an embedding) no handler can be installed and Ctrl-C keeps Python's default.
+    """
+
+    POLL_S = 0.1
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.pressed = True
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        """Wait up to `seconds`; True when `stop` was set or Ctrl-C pressed."""
+        deadline = time.monotonic() + seconds
+        while not (stop.is_set() or self.pressed):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            stop.wait(min(left, self.POLL_S))
+        return True
+
+    def interruptible(self, fetch: Callable[[], dict]) -> Callable[[], dict]:
+        """`fetch` on a daemon thread; KeyboardInterrupt (raised here, between our own statements) on Ctrl-C."""
+        if not self._installed:
+            return fetch
+
+        def run() -> dict:
+            box: dict[str, Any] = {}
+            done = threading.Event()
+
+            def work() -> None:
+                try:
+                    box["value"] = fetch()
+                except BaseException as e:  # handed to the caller as is
+                    box["error"] = e
+                finally:
+                    done.set()
+
+            threading.Thread(target=work, name="watch-fetch", daemon=True).start()
+            while not done.wait(self.POLL_S):
+                if self.pressed:
+                    raise KeyboardInterrupt
+            if "error" in box:
+                raise box["error"]
+            return box["value"]
+        return run

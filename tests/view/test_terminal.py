@@ -272,3 +272,42 @@ def test_watch_live_on_a_forced_terminal_keeps_the_last_frame():
     assert watch(Recorded(rounds(3) + [KeyboardInterrupt()]), interval_s=0, console=console) == 0
     out = console.file.getvalue()
     assert "\x1b[?25l" in out and out.endswith("\x1b[?25h") and "102" in out
+
+
+def _ctrl_c_in(seconds: float) -> threading.Timer:
+    import os
+    import signal
+
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_ctrl_c_is_a_flag_the_waits_see_and_a_slow_fetch_is_left_at_once():
+    """The watch's Ctrl-C handler raises nothing where it lands (a KeyboardInterrupt inside Event.wait can break the
+    lock's `with`: CI's "release unlocked lock"); the loop's wait returns True, a blocked fetch raises between our
+    own statements, and the previous handler is back afterwards."""
+    import signal
+
+    from p2p_diloco.view.terminal import _CtrlC
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = threading.Event()
+    with _CtrlC() as ctrl_c:
+        _ctrl_c_in(0.2)
+        t0 = time.monotonic()
+        assert ctrl_c.wait(stop, 30.0) and time.monotonic() - t0 < 10
+        ctrl_c.pressed = False
+        release = threading.Event()
+        slow = ctrl_c.interruptible(lambda: (release.wait(30), {"late": True})[1])
+        _ctrl_c_in(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            slow()
+        assert time.monotonic() - t0 < 10
+        release.set()
+        ctrl_c.pressed = False
+        assert ctrl_c.interruptible(lambda: {"ok": 1})() == {"ok": 1}
+        with pytest.raises(ValueError):
+            ctrl_c.interruptible(lambda: (_ for _ in ()).throw(ValueError("shown by frames")))()
+    assert signal.getsignal(signal.SIGINT) is before
