@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from torch import Tensor
-
 from p2p_diloco.sync.bans import Bans
 from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.merged import MergedIds

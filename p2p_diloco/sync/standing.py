@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.authors import Authors
 from p2p_diloco.sync.copies import COPY_COSINE, CopyWindow, WindowEntry
+from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.probation import probation_multiplier
 from p2p_diloco.sync.reference import Reference
 from p2p_diloco.sync.verdict import REFUSALS, REFUSED, TIED, Verdict
