@@ -3,7 +3,8 @@ namespaces (needs root and `ip netns`; skipped otherwise).
 
 Group A holds the bootstrap, a one-process unit and a unit of 4 processes that shard the model, its gradients and
 AdamW state (`--gpus 4 --training.parallel fsdp`, gloo on the CPU); hosts n0 and n1 run one unit of two processes,
-started as the README says: `torchrun --nnodes 2 --nproc-per-node 1 --node-rank R --master-addr n0 ... -m p2p_diloco join ...`
+started as the README says:
+`torchrun --nnodes 2 --nproc-per-node 1 --node-rank R --master-addr n0 ... -m p2p_diloco join ...`
 on each host, the same `join` options on both. Rank 0 (on n0) speaks to the swarm; rank 1 (on n1) only trains,
 with gloo over the veths: every inner step it receives its rows of the batch from rank 0 and DDP averages the
 gradients across the two hosts. The three units train a few rounds in one swarm and end with equal replicas; rank 1's
