@@ -82,6 +82,7 @@ class MeasuredSwarm(AsyncSwarm):
         self.judge = Judge(self, self.corpus, judge_batches, self.spec.seed)
         self.noise_rng = torch.Generator().manual_seed(self.spec.seed + 7)
         self.judged: set[tuple[str, int]] = set()
+        self.own: dict[str, torch.Tensor] = {}
 
     def _add_peer(self, speed: float, state=None) -> SimPeer:
         peer = super()._add_peer(speed, state)
@@ -99,6 +100,8 @@ class MeasuredSwarm(AsyncSwarm):
             base = phase.base.clone()
             update = finish(phase, result, view)
             self.bases[(learner.peer_id, update.seq)] = base
+            # The judge's own work (a sponsor's view): its last published step, decoded as a receiver would.
+            self.own[learner.peer_id] = learner.codec.decompress(update.payload, update.header.numel).float()
             return update
 
         learner.finish_phase = keep_base  # type: ignore[method-assign]
@@ -124,6 +127,10 @@ class MeasuredSwarm(AsyncSwarm):
                            "near_copy": -step + 0.05 * step.norm() * noise / noise.norm(),
                            "noise": noise * (step.norm() / noise.norm()), "scale3": 3 * step}
                 row.update({kind: self.judge.change(base, s) for kind, s in attacks.items()})
+                own = self.own.get(learner.peer_id)
+                if own is not None:  # the receiver judges by the direction of its own latest work
+                    row.update({f"cos_{kind}": float(torch.nn.functional.cosine_similarity(s, own, dim=0))
+                                for kind, s in attacks.items()})
                 row.update({f"honest_{n}": self.judge.change(base, step, n) for n in (1, 4, 16)})
             self.rows.append(row)
         super()._receive(peer, data)
@@ -194,6 +201,36 @@ def record_table(rows: list[dict], sizes: tuple[int, ...] = (1, 2, 4, 8)) -> str
     return "\n".join(out)
 
 
+def direction_table(rows: list[dict], sizes: tuple[int, ...] = (1, 4, 8)) -> str:
+    """A receiver judging by direction: the cosine of an update (or what an attacker would publish in its place)
+    with the receiver's own latest published step, data the author did not choose. Per single update and summed
+    over an author's last k updates (middle and late thirds); and the median cosine of each kind."""
+    crows = [r for r in rows if "cos_honest" in r and r["t"] >= 1 / 3]
+    if not crows:
+        return ""
+    by_author: dict[tuple, list[dict]] = {}
+    for r in crows:
+        by_author.setdefault((r.get("seed"), r["author"]), []).append(r)
+    out = ["| record of k updates | " + " | ".join(f"{kind} (judged {'useful' if kind != 'honest' else 'harmful'})"
+                                                   for kind in KINDS) + " | windows |",
+           "|---:|" + "---:|" * (len(KINDS) + 1)]
+    for k in sizes:
+        windows = []
+        for updates in by_author.values():
+            updates.sort(key=lambda r: r["seq"])
+            windows += [updates[i - k + 1: i + 1] for i in range(k - 1, len(updates))]
+        if not windows:
+            continue
+        cells = []
+        for kind in KINDS:
+            useful = kind != "honest"
+            hit = sum((sum(r[f"cos_{kind}"] for r in w) > 0) == useful for w in windows)
+            cells.append(f"{100 * hit / len(windows):.1f}%")
+        out.append(f"| {k} | {' | '.join(cells)} | {len(windows)} |")
+    meds = ", ".join(f"{kind} {statistics.median(r[f'cos_{kind}'] for r in crows):+.3f}" for kind in KINDS)
+    return "\n".join(out) + f"\n\nMedian cosine with the receiver's own latest step: {meds}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="test")
@@ -228,6 +265,7 @@ def main() -> int:
         forwards += swarm.judge.forwards
         updates += len(swarm.judged)
     md = table(rows) + "\n\nBy the author's record (middle and late thirds):\n\n" + record_table(rows)
+    md += "\n\nBy direction, against the receiver's own work (middle and late thirds):\n\n" + direction_table(rows)
     H, bs = args.inner_steps, preset(args.preset).data.batch_size
     cost = (f"\nOne judgment: 2 x {args.batches} forward passes of batch {bs}; a unit's phase: {H} training steps "
             f"(~3 forward-equivalents each) = {3 * H} forwards: judging every update of N peers costs "
