@@ -77,18 +77,24 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            "near_copy": Attack("near_copy"), "near_copy_pos": Attack("near_copy_pos"),
            "scale_bound": Attack("scale_bound", 5.0), "mixed_adaptive": Attack("mixed_adaptive", 1.0),
            "copy_newcomer": Attack("copy", newcomer=True), "near_copy_newcomer": Attack("near_copy", newcomer=True),
+           # K peers that train and publish nothing: the baseline of the train_* rows (the K take K of the data
+           # shards and of the token budget, so the honest peers see less data than in the clean run)
+           "train_withhold": Attack(hostile=Hostility.WITHHOLD),
            "train_negate": Attack(hostile=Hostility.SIGN_FLIP),
            "train_scale": Attack(factor=5.0, hostile=Hostility.SCALE, bounded=True),
            "train_negate_bound": Attack(factor=-5.0, hostile=Hostility.SCALE, bounded=True),
            "train_negate_shared": Attack(hostile=Hostility.SIGN_FLIP, shared=True),
            "train_negate_tracked": Attack(hostile=Hostility.SIGN_FLIP, track=True)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive",
-            "copy_newcomer", "near_copy_newcomer", "train_negate", "train_scale", "train_negate_bound",
+            "copy_newcomer", "near_copy_newcomer", "train_withhold",
+            "train_negate", "train_scale", "train_negate_bound",
             "train_negate_shared", "train_negate_tracked"]
 CLEAN = {"clean": Attack(), "clean_join": Attack(newcomer=True)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
                           copy_cosine=0.0),
-            "standing": {}}
+            "standing": {},
+            # a run with founders: the honest peers' keys are the spec's sponsors (sync/sponsorship.py)
+            "sponsors": {}}
 _CORPUS: dict = {}
 
 
@@ -112,7 +118,8 @@ def run_one(job: dict) -> dict:
     total = round((honest + trainers * speed + attack.newcomer) * spp)
     sim = SimConfig(peers=honest + trainers, total_steps=total, eval_batches=16, eval_every_s=float(total),
                     speeds=("1",) * honest + (f"{speed:g}",) * trainers,
-                    join=(f"{spp / 2:g}",) if attack.newcomer else ())
+                    join=(f"{spp / 2:g}",) if attack.newcomer else (),
+                    sponsors=honest if job["defence"] == "sponsors" else 0)
     adversaries = [Adversary(i, attack.hostile, factor=attack.factor, bounded=attack.bounded, track=attack.track)
                    for i in range(honest, honest + trainers) if attack.hostile is not None]
     if "corpus" not in _CORPUS:
@@ -170,13 +177,13 @@ def table(rows: list[dict], crowds: list[int], attacks: list[str], defences: lis
         return statistics.median(vals) if vals else float("nan")
 
     lines = ["| attack | identities | defence | honest eval loss | cost vs clean | divergence | attackers' weight "
-             "| refused / distrusted |", "|---|---:|---|---:|---:|---:|---:|---|"]
+             "| relayed to them | refused / distrusted |", "|---|---:|---|---:|---:|---:|---:|---:|---|"]
     cleans = sorted({r["attack"] for r in rows if r["attack"] in CLEAN})
     for name in cleans:
         for defence in defences:
             clean = median("eval_loss", attack=name, defence=defence)
             div = median("divergence", attack=name, defence=defence)
-            lines.append(f"| {name} | 0 | {defence} | {clean:.3f} | - | {div:.1e} | - | - |")
+            lines.append(f"| {name} | 0 | {defence} | {clean:.3f} | - | {div:.1e} | - | - | - |")
     notes = []
     for attack in attacks:
         for crowd in (c for c in crowds if c):
@@ -185,15 +192,19 @@ def table(rows: list[dict], crowds: list[int], attacks: list[str], defences: lis
                 if not cells:
                     continue
                 clean = median("eval_loss", attack=baseline(attack), defence=defence)
+                if ATTACKS[attack].hostile is not None and attack != "train_withhold":  # same K, publishing nothing
+                    withheld = median("eval_loss", attack="train_withhold", crowd=crowd, defence=defence)
+                    clean = withheld if withheld == withheld else clean
                 loss = median("eval_loss", crowd=crowd, defence=defence, attack=attack)
                 refused = statistics.median([sum(r["verdicts"].get(k, 0) for k in (*REFUSALS, TIED))
                                              for r in cells])
                 distrusted = statistics.median([r["distrusted_min"] for r in cells])
                 weight = statistics.median([r.get("attacker_weight", float("nan")) for r in cells])
+                relayed = statistics.median([r.get("attacker_relayed", 0.0) for r in cells])
                 cost = (loss / clean - 1) * 100
                 lines.append(f"| {attack} | {crowd} | {defence} | {loss:.3f} | {cost:+.1f}% | "
                              f"{median('divergence', crowd=crowd, defence=defence, attack=attack):.1e} | "
-                             f"{weight:.2f} | {refused:.0f} / {distrusted:.0f} |")
+                             f"{weight:.2f} | {relayed:.2f} | {refused:.0f} / {distrusted:.0f} |")
                 for r in cells:
                     if "source_weights" in r:
                         seen = "; ".join(f"{k}: {', '.join(f'{m:g}' for m in v)}"
@@ -240,7 +251,8 @@ def main() -> int:
             rows.append(row)
             print(f"[{i}/{len(jobs)} {time.time() - t0:.0f}s] {row['attack']} crowd={row['crowd']} "
                   f"{row['defence']} seed={row['seed']}: eval {row['eval_loss']:.3f} div {row['divergence']:.1e} "
-                  f"weight {row.get('attacker_weight', 0):.2f} ({row['wall_s']}s)", flush=True)
+                  f"weight {row.get('attacker_weight', 0):.2f} relayed {row.get('attacker_relayed', 0):.2f} "
+                  f"({row['wall_s']}s)", flush=True)
     md = table(rows, crowds, attacks, defences)
     if not args.no_volunteer:
         ramp = [probation_multiplier(k, DefenceConfig().probation) for k in range(1, 6)]

@@ -15,6 +15,11 @@ MAX_OPERATORS = 16
 _BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
 
+def looks_like_peer_id(pid: object) -> bool:
+    """The shape of an Ed25519 PeerID (12D3KooW..., 52 base58 characters): caught at the flag, not at the key."""
+    return isinstance(pid, str) and len(pid) == 52 and pid.startswith("12D3KooW") and set(pid) <= _BASE58
+
+
 @dataclass(frozen=True)
 class AccessConfig:
     """Closed runs: who may take part (`--allow-peers`, shared in the RunSpec) and the run secret (this peer's)."""
@@ -50,7 +55,7 @@ class AccessConfig:
         (net/admission/invites.py also decodes each key)."""
         ids = sorted({entry.strip() for entry in self.operators.split(",") if entry.strip()})
         for pid in ids:
-            if not (len(pid) == 52 and pid.startswith("12D3KooW") and set(pid) <= _BASE58):
+            if not looks_like_peer_id(pid):
                 raise ConfigError(f"--operators: '{pid[:60]}' is not an Ed25519 PeerID (12D3KooW..., 52 "
                                   "characters); `p2p-diloco id --identity operator.key` prints an operator key's")
         if len(ids) > MAX_OPERATORS:

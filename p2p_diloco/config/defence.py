@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from p2p_diloco.config.admission import looks_like_peer_id
 from p2p_diloco.config.errors import require
 
 AGGREGATIONS = ("sum", "coord_clip", "centered_clip")
@@ -41,6 +42,11 @@ class DefenceConfig:
     operators: tuple[str, ...] = ()
     """Operator keys (PeerIDs) of a run that admits by invitation (`p2p-diloco invite`; join's --operators, or the
     signer of its --invite, fills it): in the spec, and its hash, so every peer of the run trusts the same keys."""
+    sponsors: tuple[str, ...] = ()
+    """Founder keys (PeerIDs) whose verdicts decide everyone else's merge weight (sync/sponsorship.py): their own
+    updates merge in full from the first; another author's update merges at the mean, over the sponsors, of the
+    value each signed for it (0 where none did), and each sponsor's verdicts of one update sum to at most 1, so
+    all newcomers together weigh at most one sponsor. Empty (the default): probation and vetting decide."""
     probation: float = 0.25
     """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
     a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
@@ -80,6 +86,12 @@ class DefenceConfig:
                 "defence.allowed_senders must be PeerID strings")
         require(all(isinstance(s, str) and s for s in self.operators) and len(self.operators) <= 16,
                 "defence.operators must be at most 16 PeerID strings")
+        require(len(self.sponsors) <= 64 and len(set(self.sponsors)) == len(self.sponsors),
+                f"defence.sponsors must be at most 64 distinct PeerIDs, got {len(self.sponsors)}")
+        for pid in self.sponsors:  # a typo would make a founder a stranger whose every update merges at 0
+            require(looks_like_peer_id(pid),
+                    f"defence.sponsors: '{str(pid)[:60]}' is not an Ed25519 PeerID (12D3KooW..., 52 characters); "
+                    "`p2p-diloco id --identity FILE` prints a key's")
         require(0 < self.probation <= 1, f"defence.probation must be in (0, 1], got {self.probation}")
         require(-1 <= self.min_agreement < 1, f"defence.min_agreement must be in [-1, 1), got {self.min_agreement}")
         require(self.copy_cosine == 0 or 0.5 <= self.copy_cosine < 1,

@@ -42,6 +42,9 @@ class SimConfig:
     """Scripted crashes PEER@SECONDS, comma-separated (e.g. 2@300): the peer dies, its phase is lost."""
     join: tuple[str, ...] = ()
     """Scripted joins at SECONDS, comma-separated: a new peer syncs state from a live one and trains."""
+    sponsors: int = 0
+    """The first this many peers are the run's sponsors (their keys in the spec's `defence.sponsors`): a run with
+    founders (sync/sponsorship.py). 0: the spec's own list."""
     eval_every_s: float = 0.0
     """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
     eval_batches: int = 8
@@ -61,6 +64,7 @@ class SimConfig:
         require(self.latency_jitter_s >= 0, f"latency_jitter_s must be >= 0, got {self.latency_jitter_s}")
         require(self.start_spread_s >= 0, f"start_spread_s must be >= 0, got {self.start_spread_s}")
         require(0 <= self.phase_jitter < 1, f"phase_jitter must be in [0, 1), got {self.phase_jitter}")
+        require(0 <= self.sponsors <= self.peers, f"sponsors must be in [0, peers], got {self.sponsors}")
         require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
         speeds = self.speed_factors()
         require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")

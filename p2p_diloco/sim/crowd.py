@@ -157,10 +157,14 @@ class CrowdSwarm(HostileSwarm):
         distrusted = [len(p.learner.replica.standing.distrusted) for p in honest
                       if p.learner.replica.standing is not None]
         held = [w for pid in self.attackers() for ws in self.weights_by_seq(pid).values() for w in ws]
+        attackers = set(self.attackers())  # in a run with sponsors: the share relayed to them, most on any replica
+        relayed = [sum(w for a, w in p.learner.replica.standing.sponsorship.earned.items() if a in attackers)
+                   for p in honest if p.learner.replica.standing is not None]
         out = {"verdicts": stats, "distrusted_min": min(distrusted) if distrusted else 0,
                "crowd": self.attack.size, "mode": self.attack.mode, "count": self.attack.count,
                "crowd_published": sum(self.crowd_seq), "hostile": len(self.adversaries),
-               "attacker_weight": sum(held) / len(held) if held else 0.0, "attacker_updates": len(held)}
+               "attacker_weight": sum(held) / len(held) if held else 0.0, "attacker_updates": len(held),
+               "attacker_relayed": max(relayed, default=0.0)}
         if self.attack.source and len(self.peers) > self.attack.source:
             out["source_weights"] = self.weights_by_seq(self.peers[self.attack.source].learner.peer_id)
         return out

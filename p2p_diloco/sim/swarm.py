@@ -13,6 +13,7 @@ joiners' gaps are repaired by anti-entropy, a periodic pull of what a random pee
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Generator
@@ -95,8 +96,13 @@ class AsyncSwarm:
     before row: a hostile donor then re-offers its banned updates at every tick and the run never goes quiet)."""
 
     def __init__(self, spec: RunSpec, sim: SimConfig, corpus: Corpus, *, progress: Progress | None = None) -> None:
-        self.spec = spec.validate()
         self.sim = sim.validate()
+        # A run with founders: their keys exist before the spec, which names them (sync/sponsorship.py).
+        self.founders = [Identity.generate() for _ in range(sim.sponsors)]
+        if self.founders:
+            spec = dataclasses.replace(spec, defence=dataclasses.replace(
+                spec.defence, sponsors=tuple(i.peer_id for i in self.founders)))
+        self.spec = spec.validate()
         self.device = resolve_device(sim.device)
         self.corpus = corpus
         self.progress = progress
@@ -126,7 +132,8 @@ class AsyncSwarm:
 
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         index = len(self.peers)
-        learner = Learner(self.spec, Identity.generate(), self.corpus, shard=self._shard_of(index),
+        identity = self.founders[index] if index < len(self.founders) else Identity.generate()
+        learner = Learner(self.spec, identity, self.corpus, shard=self._shard_of(index),
                           num_shards=self.num_shards, replica_state=state, device=self.device)
         exchange = MemoryExchange(self.net, learner.peer_id, self._view)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),

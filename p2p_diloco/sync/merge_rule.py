@@ -23,6 +23,7 @@ from p2p_diloco.sync.slots import Slots
 from p2p_diloco.sync.standing import Standing
 from p2p_diloco.sync.types import MergeOutcome, UpdateLike
 from p2p_diloco.wire.codecs import Codec
+from p2p_diloco.wire.vouches import unpack_vouches
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class MergeRule:
             logger.info("late merge of a skipped update sender=%s seq=%d", update.sender, update.seq)
         if standing is not None and verdict is not None:
             standing.observe(update.sender, delta, verdict, clock(), seq=update.seq)
+            header = getattr(update, "header", None)  # a sponsor's verdicts ride in its signed header
+            standing.sponsored_merge(update.sender, update.update_id, delta, scaled, prepared.factor,
+                                     unpack_vouches(header.vouches) if header is not None and header.vouches else [])
         if multiplier > 0:
             self.policy.observe(delta)
         return MergeOutcome.MERGED, late

@@ -155,8 +155,7 @@ class Replica:
         return self._rule.policy
 
     @property
-    def standing(self) -> Standing | None:
-        """The merge weight earned by contribution (sync/standing.py); None: every update at its signed weight."""
+    def standing(self) -> Standing | None:  # the weight earned by contribution (sync/standing.py); None: signed
         return self._rule.standing
 
     @property
@@ -270,6 +269,16 @@ class Replica:
         logger.log(logging.INFO if keep_slot else logging.WARNING, "merged update taken back sender=%s seq=%d%s",
                    update.sender, update.seq, " (weight only: a copy)" if keep_slot else "")
         return True
+
+    def staleness(self, base: VersionVector) -> int:
+        """tau since `base`; in a run with sponsors only theirs count: a proposal moves theta not at all."""
+        s = self.standing
+        return self.version_vector.staleness(base, s.sponsorship.sponsors if s and s.sponsorship.active else None)
+
+    def relay(self) -> tuple[Tensor | None, bytes, float]:
+        """A sponsor's relayed proposals for its next update (`Sponsorship.relay`)."""
+        with self.lock:
+            return self.standing.sponsorship.relay() if self.standing is not None else (None, b"", 0.0)
 
     @delivers_bans
     def load(self, theta: Tensor, version_vector: VersionVector) -> list[UpdateLike]:

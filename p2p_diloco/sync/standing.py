@@ -47,6 +47,7 @@ from p2p_diloco.sync.copies import COPY_COSINE, CopyWindow, WindowEntry
 from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.probation import probation_multiplier
 from p2p_diloco.sync.reference import Reference
+from p2p_diloco.sync.sponsorship import Sponsorship
 from p2p_diloco.sync.verdict import REFUSALS, REFUSED, TIED, Verdict
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ class Standing:
     lock."""
 
     def __init__(self, *, probation: float, min_agreement: float, max_norm_ratio: float,
-                 full_agreement: float = 0.0, copy_cosine: float = COPY_COSINE, self_id: str = "") -> None:
+                 full_agreement: float = 0.0, copy_cosine: float = COPY_COSINE, self_id: str = "",
+                 sponsors: Sequence[str] = ()) -> None:
         if not (0.0 < probation and math.isfinite(probation)):
             raise ValueError(f"probation must be a positive number, got {probation}")
         self.probation = probation
@@ -74,7 +76,8 @@ class Standing:
         self.authors = Authors(self_id)
         self.reference = Reference()
         self.copies = CopyWindow()
-        self.stats: dict[str, int] = {"probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
+        self.sponsorship = Sponsorship(sponsors, self_id)
+        self.stats: dict[str, int] = {"proposal": 0, "probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
                                       "copy": 0, "negated_copy": 0, TIED: 0, "distrusted": 0, "unvetted": 0}
         self._found: list[tuple[str, int, str]] = []  # copies found after they merged (`copies_found`)
         self._logged_at = -math.inf
@@ -85,7 +88,8 @@ class Standing:
         """The standing of `spec`'s run (its `defence` section) for the replica of peer `self_id`."""
         d = spec.defence
         return cls(probation=d.probation, min_agreement=d.min_agreement, copy_cosine=d.copy_cosine,
-                   max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id)
+                   max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id,
+                   sponsors=d.sponsors)
 
     @property
     def distrusted(self) -> OrderedDict[str, str]:
@@ -100,6 +104,10 @@ class Standing:
     def judge(self, sender: str, seq: int, delta: Tensor | Decoded, now: float = 0.0) -> Verdict:
         """The verdict on `sender`'s update `seq` with decoded payload `delta` (before it merges)."""
         base = probation_multiplier(seq, self.probation)
+        if self.sponsorship.active:  # the sponsors decide, nothing local (sync/sponsorship.py)
+            if self.sponsorship.is_sponsor(sender):  # probation still damps a run's first rounds: before its
+                return Verdict(base, "" if base >= 1.0 else "probation")  # peers see each other, each signs w=1
+            return Verdict(0.0, "proposal")  # its weight, if any, comes inside a sponsor's update
         if sender in self.authors.distrusted:
             return Verdict(0.0, "distrusted")
         if self.reference.vector is None and self.authors.unvetted(sender) and base >= 1.0:
@@ -146,15 +154,28 @@ class Standing:
             self.authors.weightless(sender)
             return
         own = sender == self.self_id and math.isnan(verdict.agreement)  # ours: judged without the reference
-        earns = verdict.multiplier >= 1.0 and (verdict.vetted or own)
+        sponsor = self.sponsorship.is_sponsor(sender)  # a founder is in good standing by the run's spec
+        earns = verdict.multiplier >= 1.0 and (verdict.vetted or own or sponsor)
         self.authors.merged(sender, seq, now, verdict.multiplier, earns_standing=earns)
         if sender == self.self_id or sender in self.authors.good:
             self.reference.fold(delta)
 
+    def sponsored_merge(self, sender: str, update_id: bytes, delta: Tensor | Decoded, step: Tensor | Decoded | None,
+                        factor: float, vouches: list[tuple[bytes, float]]) -> None:
+        """After a merge in a run with sponsors: a sponsor judges and relays it (sync/sponsorship.py); a sponsor's
+        header says what it relayed."""
+        sponsorship = self.sponsorship
+        if not sponsorship.active:
+            return
+        sample = delta_sample(delta, self.copies.sample_at(_numel(delta))) if sponsorship.judging else None
+        sponsorship.merged(sender, update_id, sample, step, factor)
+        if vouches:
+            sponsorship.vouched(sender, vouches)
+
     def sample_indices(self, numel: int) -> list[Tensor]:
         """The coordinates `judge` and `observe` read of a payload of `numel` values: screening takes them in
         its one pass over the payload (sync/decoded.py `Decoded.want`), outside the replica's lock."""
-        ats = [self.copies.sample_at(numel)] if self.copy_cosine > 0 else []
+        ats = [self.copies.sample_at(numel)] if self.copy_cosine > 0 or self.sponsorship.active else []
         at = self.reference.sample_at(numel)
         return ats if at is None else [*ats, at]
 
@@ -237,3 +258,12 @@ class Standing:
                        "(refusals since the last such line: %d)", sender, verdict.reason, verdict.agreement,
                        verdict.norm_ratio, strikes, self._suppressed)
         self._logged_at, self._suppressed = now, 0
+
+
+def _numel(delta: Tensor | Decoded) -> int:
+    return delta.numel() if isinstance(delta, Tensor) else delta.numel
+
+
+def delta_sample(delta: Tensor | Decoded, at: Tensor) -> Tensor:
+    """The payload's values at `at` (float32), from a tensor or a streamed payload alike."""
+    return delta[at].float() if isinstance(delta, Tensor) else delta.take(at)

@@ -262,11 +262,13 @@ class VersionVector(Mapping[str, int]):
                 return False
         return True
 
-    def staleness(self, base: VersionVector) -> int:
+    def staleness(self, base: VersionVector, only: frozenset[str] | None = None) -> int:
         """`tau`: updates merged here and not in `base` (ARCHITECTURE.md "Vocabulary"); without holes
-        `sum_k max(0, self[k] - base[k])`."""
+        `sum_k max(0, self[k] - base[k])`. `only`: count these senders' updates alone."""
         tau = 0
         for sender, seq in self._entries.items():
+            if only is not None and sender not in only:
+                continue
             b = base.get(sender)
             mine = self._holes.get(sender, frozenset())
             if seq > b:

@@ -46,7 +46,7 @@ from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.hardware.unit import SoloUnit
 from p2p_diloco.train.inner import InnerResult, inner_step, lr_at, make_inner_optimizer
 from p2p_diloco.train.models.build import build_model, flat_params, load_flat_params
-from p2p_diloco.train.outer import OuterState, outer_update, update_weight
+from p2p_diloco.train.outer import OuterState, outer_update, relay_payload, update_weight
 from p2p_diloco.train.phase import Phase, make_sampler, swarm_rounds
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, make_update
@@ -206,19 +206,19 @@ class Learner:
             delta[s].sub_(phi)  # base - phi (train/outer.py `pseudo_gradient`), one parameter at a time
         self.in_phase = False
         stretch = max(1, result.steps // self.spec.inner.inner_steps)
-        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch,
-                                        consume=True, limit=self.sender_limit)
-        tau = self.replica.version_vector.staleness(phase.version_vector)
-        # A phase stretched to k*H steps (train/loop.py) is k rounds: it signs all its samples and weighs k rounds'
-        # share; its payload is the mean of the k rounds' Nesterov outputs (train/outer.py `outer_update`).
+        tau = self.replica.staleness(phase.version_vector)
+        # A stretched phase (k*H steps, train/loop.py) signs k rounds' samples and share (train/outer.py).
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
         self.round_weight = weight if stretch == 1 else update_weight(
             result.samples // stretch, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
+        extra, vouches, own = relay_payload(self.replica.relay(), weight, self.spec.outer)  # sync/sponsorship.py
+        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch,
+                                        consume=True, limit=self.sender_limit, extra=extra, own_share=own)
         own_merged = self.replica.version_vector.get(self.peer_id)
         update = make_update(
-            run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id,
-            seq=max(self.last_seq, own_merged) + 1, tau=tau, samples=result.samples,
-            weight=weight, codec=self.codec.name, numel=self.numel, payload=payload, identity=self.identity)
+            run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id, tau=tau, samples=result.samples,
+            seq=max(self.last_seq, own_merged) + 1, weight=weight, codec=self.codec.name, numel=self.numel,
+            payload=payload, identity=self.identity, vouches=vouches)
         # Durable before anyone can see it. A crash before this line loses an update nobody saw, so its seq is
         # free to be signed again with other content; after it, a restart takes this very update back.
         if self.persist_update is not None:

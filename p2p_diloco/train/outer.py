@@ -128,8 +128,22 @@ def chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
+def relay_payload(relay: tuple[torch.Tensor | None, bytes, float], weight: float,
+                  cfg: OuterConfig) -> tuple[torch.Tensor | None, bytes, float]:
+    """A sponsor's relayed proposals (`Replica.relay`, sync/sponsorship.py) for `outer_update`: (extra, vouches,
+    own share). Receivers merge the payload at `outer_lr * min(weight, max_weight)`, so the relayed step (theta's
+    units) is divided by that; both it and the sponsor's own output are scaled by 1 / (1 + t)."""
+    step, vouches, share = relay
+    scale = cfg.outer_lr * min(weight, cfg.max_weight)
+    if step is None or not scale > 0:
+        return None, b"", 1.0
+    own_share = 1.0 / (1.0 + share)
+    return step.mul_(own_share / scale), vouches, own_share
+
+
 def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec,
-                 rounds: int = 1, *, consume: bool = False, limit: float = math.inf) -> tuple[bytes, torch.Tensor]:
+                 rounds: int = 1, *, consume: bool = False, limit: float = math.inf,
+                 extra: torch.Tensor | None = None, own_share: float = 1.0) -> tuple[bytes, torch.Tensor]:
     """Apply momentum and compression to a pseudo-gradient; returns (payload, decompressed payload).
 
     The sender merges the decompressed payload into its own replica, exactly what receivers get. With `consume`
@@ -141,6 +155,9 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
     weight (`update_weight` of all its samples): theta moves as k updates of equal deltas would have moved it,
     `m` ends as after k rounds, and the payload stays inside the bound on one round's honest update
     (sync/robust.py). The carried error `e` is kept in one round's units (the payload weighs k times more).
+
+    `extra`, `own_share`: a sponsor's relayed proposals (`relay_payload`): the momentum's output is scaled by
+    `own_share` and `extra` added after it, outside the momentum, so it moves theta once.
 
     `limit` (the run's `MergePolicy.sender_limit`): what goes into the codec is clipped to it, so every peer's
     norm bound passes our update; the excess is dropped, not carried in `e` (a clip that recurs would grow `e`
@@ -168,6 +185,9 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
             else:
                 d[c].copy_(mc)
             state.release(c)  # file-backed m and e: only a chunk of them in memory at a time
+    if extra is not None:
+        for c in chunks(d.numel()):
+            d[c].mul_(own_share).add_(extra[c])
     if cfg.error_feedback:
         for c in chunks(d.numel()):
             d[c].add_(e[c].float() if rounds == 1 else e[c].float() / rounds)

@@ -4,7 +4,9 @@
 Wire format (msgpack):
     envelope = {"v": FORMAT_VERSION, "h": header_bytes, "s": signature, "p": payload}
     header   = [run_id, spec_hash, sender, seq, tau, samples, weight, codec, numel, payload_len,
-                payload_digest, created_at]                       (a msgpack array in this fixed order)
+                payload_digest, created_at(, vouches)]            (a msgpack array in this fixed order)
+    vouches  = a sponsor's verdicts on others' updates (sync/sponsorship.py), present only when not empty:
+               VOUCH_BYTES per verdict, the judged update_id's first 16 bytes then its value in 1/65535ths
     signature = Ed25519 over UPDATE_DOMAIN-tagged header_bytes, by the key inside `sender` (a PeerID)
 
 The signature covers the header and, through `payload_digest` (sha256), the payload. `decode_update` checks size,
@@ -29,6 +31,7 @@ import msgpack
 
 from p2p_diloco.wire.codecs import CODEC_NAMES, Payload
 from p2p_diloco.wire.identity import Identity, IdentityError, public_key_from_peer_id, verify
+from p2p_diloco.wire.vouches import MAX_VOUCHES, VOUCH_BYTES
 
 FORMAT_VERSION = 1
 UPDATE_DOMAIN = b"p2p-diloco/update/v1"
@@ -37,7 +40,7 @@ REJECT_REASONS = ("oversize", "malformed", "format_version", "wrong_run", "wrong
 SIGNATURE_BYTES = 64
 DIGEST_BYTES = 32
 # Generous bounds on header fields: a real header is ~250 bytes. They cap what a hostile header can make us hold.
-MAX_HEADER_BYTES = 1024
+MAX_HEADER_BYTES = 1024 + MAX_VOUCHES * VOUCH_BYTES
 MAX_NAME_CHARS = 128
 MAX_DETAIL_CHARS = 300
 """Longest rejection detail kept: details quote untrusted input and end up in logs."""
@@ -87,13 +90,17 @@ class UpdateHeader:
     """sha256 of the payload."""
     created_at: float
     """Sender's wall clock at signing, seconds since the epoch (informational; never trusted for ordering)."""
+    vouches: bytes = b""
+    """A sponsor's verdicts (wire/vouches.py); empty for everyone else, and then absent from the encoding."""
 
     def to_list(self) -> list[Any]:
-        return [self.run_id, self.spec_hash, self.sender, self.seq, self.tau, self.samples, self.weight,
-                self.codec, self.numel, self.payload_len, self.payload_digest, self.created_at]
+        fields = [self.run_id, self.spec_hash, self.sender, self.seq, self.tau, self.samples, self.weight,
+                  self.codec, self.numel, self.payload_len, self.payload_digest, self.created_at]
+        return [*fields, self.vouches] if self.vouches else fields
 
 
-_HEADER_FIELDS = len(UpdateHeader.__dataclass_fields__)
+
+_HEADER_FIELDS = len(UpdateHeader.__dataclass_fields__)  # with vouches; one less without
 
 
 @dataclass(frozen=True)
@@ -178,7 +185,7 @@ def _tagged(domain: bytes, blob: bytes) -> bytes:
 
 def make_update(*, run_id: str, spec_hash: str, seq: int, tau: int, samples: int, weight: float, codec: str,
                 numel: int, payload: bytes, identity: Identity, sender: str | None = None,
-                created_at: float | None = None) -> OuterUpdate:
+                created_at: float | None = None, vouches: bytes = b"") -> OuterUpdate:
     """Build and sign an update from `identity`; the sender, payload length and digest are filled in here.
 
     `sender` is optional and, if given, must be `identity.peer_id` (a guard for callers that track it apart).
@@ -189,7 +196,7 @@ def make_update(*, run_id: str, spec_hash: str, seq: int, tau: int, samples: int
         run_id=run_id, spec_hash=spec_hash, sender=identity.peer_id, seq=seq, tau=tau, samples=samples,
         weight=float(weight), codec=codec, numel=numel, payload_len=len(payload),
         payload_digest=hashlib.sha256(payload).digest(),
-        created_at=float(time.time() if created_at is None else created_at),
+        created_at=float(time.time() if created_at is None else created_at), vouches=vouches,
     )
     _check_header(header)  # a local bug surfaces here, not as every receiver's rejection
     header_bytes = msgpack.packb(header.to_list(), use_bin_type=True)
@@ -280,10 +287,10 @@ def _unpack(data: bytes, reason: str, **limits: int) -> Any:
 def _decode_header(header_bytes: bytes) -> UpdateHeader:
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise WireError("bad_header", f"header is {len(header_bytes)} bytes, limit {MAX_HEADER_BYTES}")
-    fields = _unpack(header_bytes, "bad_header", max_bin_len=DIGEST_BYTES, max_str_len=MAX_NAME_CHARS,
+    fields = _unpack(header_bytes, "bad_header", max_bin_len=MAX_VOUCHES * VOUCH_BYTES, max_str_len=MAX_NAME_CHARS,
                      max_array_len=_HEADER_FIELDS, max_map_len=0)
-    if not isinstance(fields, list) or len(fields) != _HEADER_FIELDS:
-        raise WireError("bad_header", f"header must be an array of {_HEADER_FIELDS} fields")
+    if not isinstance(fields, list) or len(fields) not in (_HEADER_FIELDS - 1, _HEADER_FIELDS):
+        raise WireError("bad_header", f"header must be an array of {_HEADER_FIELDS - 1} or {_HEADER_FIELDS} fields")
     header = UpdateHeader(*fields)
     _check_header(header)
     # One encoding per header: update_id then depends only on the header's content.
@@ -321,6 +328,8 @@ def _check_header(h: UpdateHeader) -> None:
         raise bad("weight", "must be >= 0")
     if type(h.payload_digest) is not bytes or len(h.payload_digest) != DIGEST_BYTES:
         raise bad("payload_digest", f"must be {DIGEST_BYTES} bytes (sha256)")
+    if type(h.vouches) is not bytes or len(h.vouches) % VOUCH_BYTES or len(h.vouches) > MAX_VOUCHES * VOUCH_BYTES:
+        raise bad("vouches", f"must be up to {MAX_VOUCHES} x {VOUCH_BYTES} bytes")
 
 
 def _short_repr(value: Any) -> str:

@@ -273,3 +273,25 @@ def test_retained_update_holds_its_envelope_once() -> None:
     assert "encoded" not in u.__dict__
     assert kept == u and kept.update_id == u.update_id and encode_update(kept) is kept.encoded
     assert encode_update(kept) == encode_update(u) and decode_update(kept.encoded, max_bytes=MAX) == u
+
+
+def test_a_sponsors_verdicts_ride_in_the_signed_header_and_only_in_one_encoding() -> None:
+    from p2p_diloco.wire.vouches import MAX_VOUCHES, VOUCH_BYTES, pack_vouches, unpack_vouches
+
+    ids = [hashlib.sha256(b"%d" % i).digest() for i in range(MAX_VOUCHES)]
+    vouches = pack_vouches([(i, k / (MAX_VOUCHES - 1)) for k, i in enumerate(ids)])
+    u = _update(vouches=vouches)
+    got = decode_update(encode_update(u), max_bytes=MAX, run_id=RUN, spec_hash=SPEC)
+    assert got == u and len(got.header.vouches) == MAX_VOUCHES * VOUCH_BYTES
+    values = unpack_vouches(got.header.vouches)
+    assert [i for i, _ in values] == [i[:16] for i in ids] and values[0][1] == 0.0 and values[-1][1] == 1.0
+    assert _update().header.to_list() == _update(vouches=b"").header.to_list()  # none: the 12-field header of old
+    fields = _update().header.to_list()
+    assert _reason(_envelope([*fields, b""], ALICE, b"\x01\x02\x03" * 10)) == "bad_header"  # empty but present
+    assert _reason(_envelope([*fields, b"x" * 17], ALICE, b"\x01\x02\x03" * 10)) == "bad_header"  # not 18-byte rows
+    assert _reason(_envelope([*fields, b"x" * VOUCH_BYTES * (MAX_VOUCHES + 1)], ALICE,
+                             b"\x01\x02\x03" * 10)) == "bad_header"
+    with pytest.raises(ValueError):
+        pack_vouches([(ids[0], 1.5)])
+    with pytest.raises(ValueError):
+        pack_vouches([(i, 0.5) for i in ids] + [(ids[0], 0.5)])

@@ -1,0 +1,55 @@
+"""A run with founders as real processes on 127.0.0.1 (sync/sponsorship.py): peers A and B are the spec's sponsors
+(`--spec.defence.sponsors A,B`, their keys made before the run with `p2p-diloco id`), volunteer V is not. All three
+train a few rounds; V's updates merge at 0 everywhere and come into the model inside A's and B's updates, so the
+three replicas end equal and A and B report V's work as relayed. A peer given a sponsor list with a typo is
+refused at the flag, before it starts anything."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.helpers.swarm import Launcher, cli, max_relative_difference
+
+pytestmark = pytest.mark.timeout(300)
+
+START_S = 120
+
+
+def _peer_id(workdir, name: str) -> str:
+    """The key `join --identity` will use, made before the run (as a run's founders do): keygen, then id."""
+    key = str(workdir / f"{name}.key")
+    subprocess.run(cli("keygen", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(cli("id", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip().split()[-1]
+
+
+def test_founders_relay_a_volunteer_and_the_replicas_end_equal(tmp_path) -> None:
+    a, b = _peer_id(tmp_path, "A"), _peer_id(tmp_path, "B")
+    sponsors = ("--spec.defence.sponsors", f"{a},{b}")
+    with Launcher(tmp_path) as launcher:
+        _, bootstrap = launcher.bootstrap()
+        peers = [launcher.peer(name, bootstrap, *sponsors, rounds=5, linger_s=60) for name in ("A", "B", "V")]
+        for proc in peers:
+            assert proc.wait(START_S + 120) == 0, proc.tail()
+        finals = {proc.name: proc.events("final")[0] for proc in peers}
+        v = finals["V"]["peer_id"]
+        assert {finals["A"]["peer_id"], finals["B"]["peer_id"]} == {a, b} and v not in (a, b)
+        states = [proc.state() for proc in peers]
+        assert len({vv["digest"] for _, vv in states}) == 1, [vv["version_vector"] for _, vv in states]
+        for theta, _ in states[1:]:
+            assert max_relative_difference(states[0][0], theta) < 1e-5
+        for _, vv in states:
+            assert vv["version_vector"].get(v) == 5  # every proposal merged everywhere (at 0)
+        for name in ("A", "B"):
+            assert finals[name]["vetting"].get("proposal", 0) >= 4, finals[name]
+        # V's work entered through at least one sponsor's update (a late phase of V may go unrelayed)
+        relayed = {n: f["relayed"] for n, f in finals.items()}
+        assert max(relayed[n].get(v, 0.0) for n in ("A", "B")) > 0, relayed
+
+
+def test_a_sponsor_list_with_a_typo_is_refused_at_the_flag(tmp_path) -> None:
+    out = subprocess.run(cli("join", "--spec.defence.sponsors", "12D3KooWnotakey"), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "is not an Ed25519 PeerID" in out.stderr, out.stderr[-500:]
