@@ -77,16 +77,16 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            "near_copy": Attack("near_copy"), "near_copy_pos": Attack("near_copy_pos"),
            "scale_bound": Attack("scale_bound", 5.0), "mixed_adaptive": Attack("mixed_adaptive", 1.0),
            "copy_newcomer": Attack("copy", newcomer=True), "near_copy_newcomer": Attack("near_copy", newcomer=True),
-           # K peers that train and publish nothing: the baseline of the train_* rows (the K take K of the data
-           # shards and of the token budget, so the honest peers see less data than in the clean run)
-           "train_withhold": Attack(hostile=Hostility.WITHHOLD),
+           # K more peers that train and publish honestly (WITHHOLD with no seq withheld): the baseline of the
+           # train_* rows, as the K take K of the data shards (the honest peers see less data than in the clean run)
+           "train_honest": Attack(hostile=Hostility.WITHHOLD),
            "train_negate": Attack(hostile=Hostility.SIGN_FLIP),
            "train_scale": Attack(factor=5.0, hostile=Hostility.SCALE, bounded=True),
            "train_negate_bound": Attack(factor=-5.0, hostile=Hostility.SCALE, bounded=True),
            "train_negate_shared": Attack(hostile=Hostility.SIGN_FLIP, shared=True),
            "train_negate_tracked": Attack(hostile=Hostility.SIGN_FLIP, track=True)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive",
-            "copy_newcomer", "near_copy_newcomer", "train_withhold",
+            "copy_newcomer", "near_copy_newcomer", "train_honest",
             "train_negate", "train_scale", "train_negate_bound",
             "train_negate_shared", "train_negate_tracked"]
 CLEAN = {"clean": Attack(), "clean_join": Attack(newcomer=True)}
@@ -192,8 +192,8 @@ def table(rows: list[dict], crowds: list[int], attacks: list[str], defences: lis
                 if not cells:
                     continue
                 clean = median("eval_loss", attack=baseline(attack), defence=defence)
-                if ATTACKS[attack].hostile is not None and attack != "train_withhold":  # same K, publishing nothing
-                    withheld = median("eval_loss", attack="train_withhold", crowd=crowd, defence=defence)
+                if ATTACKS[attack].hostile is not None and attack != "train_honest":  # against K honest trainers
+                    withheld = median("eval_loss", attack="train_honest", crowd=crowd, defence=defence)
                     clean = withheld if withheld == withheld else clean
                 loss = median("eval_loss", crowd=crowd, defence=defence, attack=attack)
                 refused = statistics.median([sum(r["verdicts"].get(k, 0) for k in (*REFUSALS, TIED))
