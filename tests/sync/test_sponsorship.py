@@ -67,7 +67,7 @@ def test_proposals_merge_at_zero_and_a_sponsor_relays_one_share_for_all_of_them(
     assert s1.relay() == (None, b"", 0.0)  # drained: each proposal is relayed once
 
 
-def test_near_copies_of_this_rounds_work_get_nothing_and_longer_ones_are_scaled_to_the_sponsors_sum() -> None:
+def test_near_copies_of_this_rounds_work_get_nothing_and_longer_ones_are_scaled_to_a_sponsor_updates_length() -> None:
     s = Sponsorship(SPONSORS, self_id="s1")
     g = torch.Generator().manual_seed(1)
     own, other = torch.randn(512, generator=g), torch.randn(512, generator=g)
@@ -78,7 +78,8 @@ def test_near_copies_of_this_rounds_work_get_nothing_and_longer_ones_are_scaled_
     _, vouches, _ = s.relay()
     (key, value), = unpack_vouches(vouches)
     assert key == b"\x04" * 16
-    assert abs(value - 1 / 3) < 1e-3  # along the sponsors' sum (own + other), scaled to its length (FLTrust)
+    length = (float(own.norm()) + float(other.norm())) / 2  # one sponsor update's length, not the sum's
+    assert abs(value - length / float((3 * (own + other)).norm())) < 1e-3  # along the sponsors' sum (FLTrust)
 
 
 def test_a_sponsors_relay_displaces_part_of_its_own_step_and_skips_the_momentum() -> None:
