@@ -149,7 +149,7 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
     """
     d = delta if consume else delta.clone()
     mu, m, e = cfg.momentum, state.momentum, state.error
-    if rounds > 1:  # a stretched phase (rare): one more full-size vector for the sum of the k outputs
+    if rounds > 1 and cfg.momentum_source == "own":  # a stretched phase (rare): one more full-size vector for the sum
         part, total = d.div_(rounds), torch.zeros_like(d)
         for c in chunks(d.numel()):
             mc = m[c].float()  # float32 through the k rounds, stored once
@@ -159,6 +159,19 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
             m[c].copy_(mc)
         d.copy_(total.div_(rounds))
         del total
+    elif cfg.momentum_source == "swarm":
+        # m holds the swarm's last outer step per round (`Learner._swarm_step`), nearly the same for every sender
+        # (each reads its own replica): heavy-ball d = delta + mu m, or Nesterov's look-ahead d = (1 + mu) delta +
+        # mu^2 m, so that in lockstep the swarm's step D_r = (1 + mu) g_r + mu^2 D_{r-1} (long-run g / (1 - mu)).
+        # A stretched phase: the mean of its k rounds' outputs, delta / k each, against the same m.
+        if rounds > 1:
+            d.div_(rounds)
+        for c in chunks(d.numel()):
+            if cfg.nesterov:
+                d[c].mul_(1 + mu).add_(m[c].float(), alpha=mu * mu)
+            else:
+                d[c].add_(m[c].float(), alpha=mu)
+            state.release(c)
     else:
         for c in chunks(d.numel()):
             mc = m[c].float().mul_(mu).add_(d[c])
