@@ -177,7 +177,7 @@ class OuterConfig:
     """What the sender's momentum follows: own (its own pseudo-gradients, DiLoCo's Nesterov per sender) or swarm
     (the swarm's last outer step, read from how far the replica's theta moved over our last round: every sender
     adds nearly the same momentum, not its own shard's; heavy-ball, or Nesterov's look-ahead with `nesterov`;
-    one more float32 vector per unit). BENCHMARKS.md "Async at parity (issue 27)"."""
+    one more float32 vector per unit). BENCHMARKS.md "Async at parity"."""
 
     def validate(self) -> None:
         require(self.outer_lr > 0 and math.isfinite(self.outer_lr),

@@ -114,8 +114,6 @@ class Learner:
         # full-size (ARCHITECTURE.md "Memory").
         self._base = torch.empty(0)
         self.in_phase = False
-        self._prev_start: torch.Tensor | None = None  # momentum_source "swarm": theta when our last phase ended
-        self._prev_rounds = 0.0
 
     # ---- the round loop, in three named parts so a caller can interleave the network ----------------
 
@@ -126,28 +124,13 @@ class Learner:
         with self.replica.lock:  # theta and V as one; copied straight into phi and base, no snapshot between
             theta, vv = self.replica.theta, self.replica.version_vector
             base.copy_(theta)
-        rounds_now = swarm_rounds(vv)
         self.unit.set_params(self.model, lambda s: base[s])
         self._params_changed = True
         self.in_phase = True
         self.outer_state.release()  # file-backed m and e: out of memory until the phase ends
         # The lr clock's base once per phase, not per inner step: it walks every sender the vector holds.
-        return Phase(base=base, version_vector=vv, started_at=time.time(), swarm_rounds=rounds_now,
+        return Phase(base=base, version_vector=vv, started_at=time.time(), swarm_rounds=swarm_rounds(vv),
                      target_steps=self.spec.inner.inner_steps)
-
-    def _swarm_step(self, theta: torch.Tensor, rounds_now: float) -> None:
-        """momentum_source "swarm": m <- the swarm's outer step per round since our last phase ended, (theta then
-        - theta now) / outer_lr over the swarm rounds between (at least 1), from our replica alone. Read at the end
-        of a phase, before our own update merges: in lockstep that is exactly the swarm's last round."""
-        if self._prev_start is None:
-            self._prev_start = theta.clone()
-            self._prev_rounds = rounds_now
-            return
-        elapsed = max(1.0, rounds_now - self._prev_rounds)
-        step = (self._prev_start - theta).div_(self.spec.outer.outer_lr * elapsed)
-        self.outer_state.momentum.copy_(step)
-        self._prev_start.copy_(theta)
-        self._prev_rounds = rounds_now
 
     def run_inner(self, phase: Phase, steps: int | None = None) -> InnerResult:
         """Run `steps` more inner steps (default: the rest of the phase). Between steps, take the updates the
@@ -222,12 +205,9 @@ class Learner:
         for s, phi in self.unit.each_param(self.model):
             delta[s].sub_(phi)  # base - phi (train/outer.py `pseudo_gradient`), one parameter at a time
         self.in_phase = False
-        if self.spec.outer.momentum_source == "swarm":
-            with self.replica.lock:  # before our own update merges: what the swarm moved since our last one
-                self._swarm_step(self.replica.theta, swarm_rounds(self.replica.version_vector))
         stretch = max(1, result.steps // self.spec.inner.inner_steps)
         payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch,
-                                        consume=True, limit=self.sender_limit)
+                                        consume=True, limit=self.sender_limit, replica=self.replica)
         tau = self.replica.version_vector.staleness(phase.version_vector)
         # A phase stretched to k*H steps (train/loop.py) is k rounds: it signs all its samples and weighs k rounds'
         # share; its payload is the mean of the k rounds' Nesterov outputs (train/outer.py `outer_update`).
