@@ -111,10 +111,17 @@ def main() -> int:
     ap.add_argument("--timing", choices=("orderly", "noise"), default="orderly",
                     help="noise: async_timing.py's timing measured from real swarms")
     ap.add_argument("--timing-seeds", default="0", help="comma-separated, for --timing noise")
+    ap.add_argument("--candidates", help="JSON file: more methods [{name, outer, inner, sim (async)}], as in "
+                                         "async_timing.py; name them in --methods")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_run"))
     args = ap.parse_args()
-    jobs = [(name, LONG_METHODS[name], int(H), args.rounds, args.timing, int(seed))
+    methods = dict(LONG_METHODS)
+    if args.candidates:
+        for c in json.loads(Path(args.candidates).read_text()):
+            methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
+                                  "inner": c.get("inner", {})}
+    jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed))
             for seed in args.timing_seeds.split(",") for H in args.inner_steps.split(",")
             for name in args.methods.split(",")]
     print(f"# {time.strftime('%Y-%m-%d')} `{' '.join(sys.argv)}`", flush=True)

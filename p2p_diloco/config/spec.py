@@ -173,6 +173,11 @@ class OuterConfig:
     """Damp an update's weight by (1 + excess_staleness/N)^-power; 0 disables damping."""
     max_weight: float = 1.0
     """Receivers clamp an update's signed weight to [0, max_weight]."""
+    momentum_source: str = "own"
+    """What the sender's momentum follows: own (its own pseudo-gradients, DiLoCo's Nesterov per sender) or swarm
+    (the swarm's last outer step, read from how far the replica's theta moved over our last round: every sender
+    adds nearly the same momentum, not its own shard's; heavy-ball, or Nesterov's look-ahead with `nesterov`;
+    one more float32 vector per unit). BENCHMARKS.md "Async at parity"."""
 
     def validate(self) -> None:
         require(self.outer_lr > 0 and math.isfinite(self.outer_lr),
@@ -183,6 +188,8 @@ class OuterConfig:
                 f"outer.codec_block must be a positive even number, got {self.codec_block}")
         require(self.staleness_power >= 0, f"outer.staleness_power must be >= 0, got {self.staleness_power}")
         require(self.max_weight > 0, f"outer.max_weight must be > 0, got {self.max_weight}")
+        require(self.momentum_source in ("own", "swarm"),
+                f"outer.momentum_source must be own or swarm, got {self.momentum_source!r}")
 
 
 @dataclass(frozen=True)

@@ -212,8 +212,8 @@ class Learner:
         self.round_weight = weight if stretch == 1 else update_weight(
             result.samples // stretch, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
         extra, vouches, own = relay_payload(self.replica.relay(), weight, self.spec.outer)  # sync/sponsorship.py
-        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, rounds=stretch,
-                                        consume=True, limit=self.sender_limit, extra=extra, own_share=own)
+        payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, stretch, consume=True,
+                                        limit=self.sender_limit, extra=extra, own_share=own, replica=self.replica)
         own_merged = self.replica.version_vector.get(self.peer_id)
         update = make_update(
             run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id, tau=tau, samples=result.samples,

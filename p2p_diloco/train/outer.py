@@ -28,10 +28,12 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from p2p_diloco.config import OuterConfig
+from p2p_diloco.train.phase import swarm_rounds
 from p2p_diloco.wire.codecs import Codec
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class OuterState:
     error: torch.Tensor
     maps: tuple[mmap.mmap, ...] = ()  # the file mappings behind m and e (`in_files`), else none
     clipped: int = 0  # coordinates the last `outer_update` clipped to its `limit`
+    swarm_from: torch.Tensor | None = None  # momentum_source "swarm": theta at our last update, before it merged
+    swarm_from_rounds: float = 0.0  # and the swarm's rounds then (`swarm_rounds`)
 
     @classmethod
     def zeros(cls, numel: int, dtype: torch.dtype = STATE_DTYPE) -> OuterState:
@@ -103,6 +107,22 @@ class OuterState:
                 raise ValueError(f"outer state {name}: shape {tuple(theirs.shape)}, expected {tuple(mine.shape)}")
             mine.copy_(theirs)  # float32 from an older checkpoint rounds to STATE_DTYPE
 
+    def follow_swarm(self, replica: Any, outer_lr: float) -> None:
+        """momentum_source "swarm": m <- the swarm's outer step per round since our last update, (theta then -
+        theta now) / outer_lr over the swarm rounds between (at least 1), read off our replica before our own
+        update merges: in lockstep exactly the swarm's last round. The first update has none (m stays zero).
+        One more float32 vector per unit (theta then)."""
+        with replica.lock:
+            theta, rounds = replica.theta, swarm_rounds(replica.version_vector)
+            if self.swarm_from is None:
+                self.swarm_from = theta.clone()
+            else:
+                elapsed = max(1.0, rounds - self.swarm_from_rounds)
+                for c in chunks(theta.numel()):
+                    self.momentum[c].copy_((self.swarm_from[c] - theta[c]).div_(outer_lr * elapsed))
+                self.swarm_from.copy_(theta)
+        self.swarm_from_rounds = rounds
+
     def skip_rounds(self, k: int, mu: float) -> None:
         """Account for `k` rounds whose updates were published but whose `m`, `e` were lost (a restart from a
         checkpoint older than the last published update; see train/state/manager.py).
@@ -143,7 +163,8 @@ def relay_payload(relay: tuple[torch.Tensor | None, bytes, float], weight: float
 
 def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec,
                  rounds: int = 1, *, consume: bool = False, limit: float = math.inf,
-                 extra: torch.Tensor | None = None, own_share: float = 1.0) -> tuple[bytes, torch.Tensor]:
+                 extra: torch.Tensor | None = None, own_share: float = 1.0,
+                 replica: Any = None) -> tuple[bytes, torch.Tensor]:
     """Apply momentum and compression to a pseudo-gradient; returns (payload, decompressed payload).
 
     The sender merges the decompressed payload into its own replica, exactly what receivers get. With `consume`
@@ -165,8 +186,10 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
     bound on the `test` preset), so it changes nothing there.
     """
     d = delta if consume else delta.clone()
+    if cfg.momentum_source == "swarm" and replica is not None:  # `replica`: the sender's, before its update merges
+        state.follow_swarm(replica, cfg.outer_lr)
     mu, m, e = cfg.momentum, state.momentum, state.error
-    if rounds > 1:  # a stretched phase (rare): one more full-size vector for the sum of the k outputs
+    if rounds > 1 and cfg.momentum_source == "own":  # a stretched phase (rare): one more full-size vector for the sum
         part, total = d.div_(rounds), torch.zeros_like(d)
         for c in chunks(d.numel()):
             mc = m[c].float()  # float32 through the k rounds, stored once
@@ -176,6 +199,19 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
             m[c].copy_(mc)
         d.copy_(total.div_(rounds))
         del total
+    elif cfg.momentum_source == "swarm":
+        # m holds the swarm's last outer step per round (`OuterState.follow_swarm`), nearly the same for every sender
+        # (each reads its own replica): heavy-ball d = delta + mu m, or Nesterov's look-ahead d = (1 + mu) delta +
+        # mu^2 m, so that in lockstep the swarm's step D_r = (1 + mu) g_r + mu^2 D_{r-1} (long-run g / (1 - mu)).
+        # A stretched phase: the mean of its k rounds' outputs, delta / k each, against the same m.
+        if rounds > 1:
+            d.div_(rounds)
+        for c in chunks(d.numel()):
+            if cfg.nesterov:
+                d[c].mul_(1 + mu).add_(m[c].float(), alpha=mu * mu)
+            else:
+                d[c].add_(m[c].float(), alpha=mu)
+            state.release(c)
     else:
         for c in chunks(d.numel()):
             mc = m[c].float().mul_(mu).add_(d[c])

@@ -23,8 +23,9 @@ BASE = dataclasses.replace(BASE, data=dataclasses.replace(BASE.data, max_corpus_
 pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the stdlib
 
 
-@pytest.mark.parametrize("outer", [{}, {"momentum": 0.9, "outer_lr": 0.7}],
-                         ids=["default", "diloco"])
+@pytest.mark.parametrize("outer", [{}, {"momentum": 0.9, "outer_lr": 0.7},
+                                   {"momentum_source": "swarm", "momentum": 0.5}],
+                         ids=["default", "diloco", "swarm-momentum"])
 def test_with_zero_delay_async_is_sync_diloco(corpus, outer):
     spec = dataclasses.replace(BASE, outer=dataclasses.replace(BASE.outer, codec="fp32", **outer))
     for rounds, atol in ((1, 1e-6), (6, 1e-3)):

@@ -28,6 +28,23 @@ def test_sender_side_nesterov_equals_nesterov_of_the_mean(n_peers, rounds, mu, s
         assert torch.allclose(ours, mean + mu * central_m, atol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(mu=st.floats(0.0, 0.95), nesterov=st.booleans(), rounds=st.integers(1, 4), seed=st.integers(0, 10_000))
+def test_swarm_momentum_adds_the_swarm_step_to_the_own_delta(mu, nesterov, rounds, seed):
+    # momentum_source "swarm": m is the swarm's last step (set by the learner), left as it is; the payload is
+    # (1 + mu) delta + mu^2 m (Nesterov) or delta + mu m (heavy-ball), per round of a stretched phase.
+    g = torch.Generator().manual_seed(seed)
+    cfg = OuterConfig(momentum=mu, nesterov=nesterov, momentum_source="swarm", codec="fp32", error_feedback=False)
+    state = OuterState.zeros(16, torch.float32)
+    state.momentum.copy_(torch.randn(16, generator=g))
+    m, delta = state.momentum.clone(), torch.randn(16, generator=g)
+    _, d = outer_update(delta, state, cfg, get_codec("fp32"), rounds=rounds)
+    part = delta / rounds
+    want = (1 + mu) * part + mu * mu * m if nesterov else part + mu * m
+    assert torch.allclose(d, want, atol=1e-5)
+    assert torch.equal(state.momentum, m)
+
+
 @settings(max_examples=20, deadline=None)
 @given(codec_name=st.sampled_from(["fp16", "int8", "int4"]), seed=st.integers(0, 10_000))
 def test_error_feedback_keeps_the_sum_of_updates(codec_name, seed):
