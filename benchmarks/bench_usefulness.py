@@ -178,9 +178,26 @@ def record_table(rows: list[dict], sizes: tuple[int, ...] = (1, 2, 4, 8)) -> str
     consecutive updates of one author), against the same sum for what an attacker would publish in their place.
     Rows: how often an honest record is judged harmful (sum <= 0) and an attack's record useful (sum > 0), for
     windows ending in the middle or late third of the run (where single updates are judged worst)."""
-    base_rows = [r for r in rows if "honest" in r and "author" in r]
+    return _records([r for r in rows if "honest" in r and "author" in r], sizes, "")
+
+
+def direction_table(rows: list[dict], sizes: tuple[int, ...] = (1, 4, 8)) -> str:
+    """A receiver judging by direction: the cosine of an update (or what an attacker would publish in its place)
+    with the receiver's own latest published step, data the author did not choose. Per single update and summed
+    over an author's last k updates (middle and late thirds); and the median cosine of each kind."""
+    crows = [r for r in rows if "cos_honest" in r and r["t"] >= 1 / 3]
+    if not crows:
+        return ""
+    meds = ", ".join(f"{kind} {statistics.median(r[f'cos_{kind}'] for r in crows):+.3f}" for kind in KINDS)
+    return _records(crows, sizes, "cos_") + f"\n\nMedian cosine with the receiver's own latest step: {meds}"
+
+
+def _records(rows: list[dict], sizes: tuple[int, ...], prefix: str) -> str:
+    """The table of records: for each k, over every window of k consecutive updates of one author that ends in
+    the middle or late third, how often the summed judgment (`prefix + kind`) calls honest work harmful and an
+    attack useful."""
     by_author: dict[tuple, list[dict]] = {}
-    for r in base_rows:
+    for r in rows:
         by_author.setdefault((r.get("seed"), r["author"]), []).append(r)
     out = ["| record of k updates | " + " | ".join(f"{kind} (judged {'useful' if kind != 'honest' else 'harmful'})"
                                                    for kind in KINDS) + " | windows |",
@@ -195,40 +212,10 @@ def record_table(rows: list[dict], sizes: tuple[int, ...] = (1, 2, 4, 8)) -> str
         cells = []
         for kind in KINDS:
             useful = kind != "honest"
-            hit = sum((sum(r[kind] for r in w) > 0) == useful for w in windows)
+            hit = sum((sum(r[prefix + kind] for r in w) > 0) == useful for w in windows)
             cells.append(f"{100 * hit / len(windows):.1f}%")
         out.append(f"| {k} | {' | '.join(cells)} | {len(windows)} |")
     return "\n".join(out)
-
-
-def direction_table(rows: list[dict], sizes: tuple[int, ...] = (1, 4, 8)) -> str:
-    """A receiver judging by direction: the cosine of an update (or what an attacker would publish in its place)
-    with the receiver's own latest published step, data the author did not choose. Per single update and summed
-    over an author's last k updates (middle and late thirds); and the median cosine of each kind."""
-    crows = [r for r in rows if "cos_honest" in r and r["t"] >= 1 / 3]
-    if not crows:
-        return ""
-    by_author: dict[tuple, list[dict]] = {}
-    for r in crows:
-        by_author.setdefault((r.get("seed"), r["author"]), []).append(r)
-    out = ["| record of k updates | " + " | ".join(f"{kind} (judged {'useful' if kind != 'honest' else 'harmful'})"
-                                                   for kind in KINDS) + " | windows |",
-           "|---:|" + "---:|" * (len(KINDS) + 1)]
-    for k in sizes:
-        windows = []
-        for updates in by_author.values():
-            updates.sort(key=lambda r: r["seq"])
-            windows += [updates[i - k + 1: i + 1] for i in range(k - 1, len(updates))]
-        if not windows:
-            continue
-        cells = []
-        for kind in KINDS:
-            useful = kind != "honest"
-            hit = sum((sum(r[f"cos_{kind}"] for r in w) > 0) == useful for w in windows)
-            cells.append(f"{100 * hit / len(windows):.1f}%")
-        out.append(f"| {k} | {' | '.join(cells)} | {len(windows)} |")
-    meds = ", ".join(f"{kind} {statistics.median(r[f'cos_{kind}'] for r in crows):+.3f}" for kind in KINDS)
-    return "\n".join(out) + f"\n\nMedian cosine with the receiver's own latest step: {meds}"
 
 
 def main() -> int:
