@@ -81,8 +81,9 @@ class Sponsorship:
 
     def merged(self, author: str, update_id: bytes, sample: Tensor | None, step: Tensor | Decoded | None,
                factor: float = 1.0) -> None:
-        """An update merged here (`step * factor`: what it would move theta by at full weight). A sponsor keeps
-        its own as the direction to judge by, and relays a useful proposal's step."""
+        """An update merged here (`step * factor`: what it would move theta by at full weight; `sample`: that
+        step's values at the copy coordinates, so a proposal that signs itself a larger weight is longer and
+        scaled down). A sponsor keeps its own as the direction to judge by, and relays a useful proposal's step."""
         if author not in self.sponsors:
             self._authors[update_id[:VOUCH_ID_BYTES]] = author
             while len(self._authors) > MAX_EARNED:

@@ -167,7 +167,10 @@ class Standing:
         sponsorship = self.sponsorship
         if not sponsorship.active:
             return
-        sample = delta_sample(delta, self.copies.sample_at(_numel(delta))) if sponsorship.judging else None
+        sample = None
+        if sponsorship.judging:  # in theta's units, the signed weight included: lengths compare steps, not payloads
+            source = step if step is not None else delta
+            sample = delta_sample(source, self.copies.sample_at(_numel(delta))) * factor
         sponsorship.merged(sender, update_id, sample, step, factor)
         if vouches:
             sponsorship.vouched(sender, vouches)

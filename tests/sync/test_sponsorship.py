@@ -120,3 +120,20 @@ def test_replicas_merging_one_set_in_any_order_are_equal(rng, proposals) -> None
     expected = theta0() - OUTER_LR * sum(torch.tensor(s.payload) for s in sponsors)
     torch.testing.assert_close(thetas[0], thetas[1], rtol=0, atol=1e-6)
     torch.testing.assert_close(thetas[0], expected, rtol=0, atol=1e-5)
+
+
+def test_a_proposal_that_signs_itself_more_weight_is_relayed_no_longer_than_a_sponsor_step() -> None:
+    """Lengths are compared as steps (the signed weight included), not as payloads: a proposal signing the run's
+    largest weight (4x the sponsor's) along the sponsor's direction gets no more than one sponsor step's length,
+    over S."""
+    s1 = sponsored_replica("s1")
+    g = torch.Generator().manual_seed(3)
+    own = torch.randn(DIM, generator=g)
+    mine = dataclasses.replace(update("s1", 1, own), weight=0.5)
+    assert s1.offer(mine)[0] is MergeOutcome.MERGED
+    greedy = dataclasses.replace(update("g", 1, own + 0.5 * torch.randn(DIM, generator=g)), weight=MAX_WEIGHT)
+    assert s1.offer(greedy)[0] is MergeOutcome.MERGED
+    step, _, _ = s1.relay()
+    own_step = OUTER_LR * 0.5 * own
+    assert float(step.norm()) <= float(own_step.norm()) / len(SPONSORS) * 1.001
+    assert float(step.norm()) > 0.5 * float(own_step.norm()) / len(SPONSORS)  # relayed (at its cosine's share)
