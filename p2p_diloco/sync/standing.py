@@ -169,8 +169,8 @@ class Standing:
             return
         sample = None
         if sponsorship.judging:  # in theta's units, the signed weight included: lengths compare steps, not payloads
-            source = step if step is not None else delta
-            sample = delta_sample(source, self.copies.sample_at(_numel(delta))) * factor
+            source = Decoded.of(step if step is not None else delta)
+            sample = source.take(self.copies.sample_at(source.numel)) * factor
         sponsorship.merged(sender, update_id, sample, step, factor)
         if vouches:
             sponsorship.vouched(sender, vouches)
@@ -261,12 +261,3 @@ class Standing:
                        "(refusals since the last such line: %d)", sender, verdict.reason, verdict.agreement,
                        verdict.norm_ratio, strikes, self._suppressed)
         self._logged_at, self._suppressed = now, 0
-
-
-def _numel(delta: Tensor | Decoded) -> int:
-    return delta.numel() if isinstance(delta, Tensor) else delta.numel
-
-
-def delta_sample(delta: Tensor | Decoded, at: Tensor) -> Tensor:
-    """The payload's values at `at` (float32), from a tensor or a streamed payload alike."""
-    return delta[at].float() if isinstance(delta, Tensor) else delta.take(at)
