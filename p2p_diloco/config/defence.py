@@ -43,10 +43,10 @@ class DefenceConfig:
     """Operator keys (PeerIDs) of a run that admits by invitation (`p2p-diloco invite`; join's --operators, or the
     signer of its --invite, fills it): in the spec, and its hash, so every peer of the run trusts the same keys."""
     sponsors: tuple[str, ...] = ()
-    """Founder keys (PeerIDs) whose verdicts decide everyone else's merge weight (sync/sponsorship.py): their own
-    updates merge in full from the first; another author's update merges at the mean, over the sponsors, of the
-    value each signed for it (0 where none did), and each sponsor's verdicts of one update sum to at most 1, so
-    all newcomers together weigh at most one sponsor. Empty (the default): probation and vetting decide."""
+    """Founder keys (PeerIDs) who decide what everyone else's work weighs (sync/sponsorship.py): their updates
+    merge at their signed weight (after probation); anyone else's merges at 0 everywhere, and each sponsor relays
+    the ones it judges useful inside its own next update, at most one sponsor update's worth for all of them
+    together. Empty (the default): probation and vetting decide."""
     probation: float = 0.25
     """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
     a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
