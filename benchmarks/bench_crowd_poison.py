@@ -25,7 +25,9 @@ its multipliers by seq are reported), and hostile peers WITH compute: K identiti
 data, spend the token budget like honest peers, and publish their own update negated (`train_negate`), times 5
 capped under the norm bound (`train_scale`), negated and so capped (`train_negate_bound`), negated with the K
 of them sharing as much compute as the honest peers together (`train_negate_shared`), or negated, each phase
-trained from an honest replica's state rather than its own (`train_negate_tracked`). For `train_*`, K is the
+trained from an honest replica's state rather than its own (`train_negate_tracked`), or, built against a run
+with sponsors' graduation, two honest updates between two tampered ones (`train_sleeper`: negated,
+`train_sleeper_scale`: x5 capped, `train_sleeper_bound`: negated x5 capped). For `train_*`, K is the
 number of hostile peers and no crowd signs anything. The defence `standing` is the spec's defaults (whatever
 the code under test makes them).
 
@@ -66,6 +68,7 @@ class Attack:
     bounded: bool = False  # hostile scale: capped under the norm bound
     shared: bool = False  # the K hostile peers together have as much compute as the honest ones
     track: bool = False  # the hostile peers train from an honest replica's state, not their own
+    sleeper: int = 0  # the hostile peers publish this many honest updates between two tampered ones
 
 
 ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
@@ -84,11 +87,16 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            "train_scale": Attack(factor=5.0, hostile=Hostility.SCALE, bounded=True),
            "train_negate_bound": Attack(factor=-5.0, hostile=Hostility.SCALE, bounded=True),
            "train_negate_shared": Attack(hostile=Hostility.SIGN_FLIP, shared=True),
-           "train_negate_tracked": Attack(hostile=Hostility.SIGN_FLIP, track=True)}
+           "train_negate_tracked": Attack(hostile=Hostility.SIGN_FLIP, track=True),
+           # built against graduation (sync/sponsorship.py RECORD = 2): graduate, strike, graduate again
+           "train_sleeper": Attack(hostile=Hostility.SIGN_FLIP, sleeper=2),
+           "train_sleeper_scale": Attack(factor=5.0, hostile=Hostility.SCALE, bounded=True, sleeper=2),
+           "train_sleeper_bound": Attack(factor=-5.0, hostile=Hostility.SCALE, bounded=True, sleeper=2)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive",
             "copy_newcomer", "near_copy_newcomer", "train_honest",
             "train_negate", "train_scale", "train_negate_bound",
-            "train_negate_shared", "train_negate_tracked"]
+            "train_negate_shared", "train_negate_tracked", "train_sleeper", "train_sleeper_scale",
+            "train_sleeper_bound"]
 CLEAN = {"clean": Attack(), "clean_join": Attack(newcomer=True)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
                           copy_cosine=0.0),
@@ -120,7 +128,8 @@ def run_one(job: dict) -> dict:
                     speeds=("1",) * honest + (f"{speed:g}",) * trainers,
                     join=(f"{spp / 2:g}",) if attack.newcomer else (),
                     sponsors=honest if job["defence"] == "sponsors" else 0)
-    adversaries = [Adversary(i, attack.hostile, factor=attack.factor, bounded=attack.bounded, track=attack.track)
+    adversaries = [Adversary(i, attack.hostile, factor=attack.factor, bounded=attack.bounded, track=attack.track,
+                             sleeper=attack.sleeper)
                    for i in range(honest, honest + trainers) if attack.hostile is not None]
     if "corpus" not in _CORPUS:
         _CORPUS["corpus"] = load_corpus(spec.data)
@@ -209,8 +218,10 @@ def table(rows: list[dict], crowds: list[int], attacks: list[str], defences: lis
                     if "source_weights" in r:
                         seen = "; ".join(f"{k}: {', '.join(f'{m:g}' for m in v)}"
                                          for k, v in r["source_weights"].items())
+                        held = "relayed as a member's by each sponsor" if defence == "sponsors" else \
+                            "hold on the other honest replicas"
                         notes.append(f"- {attack}, {crowd} identities, {defence}, seed {r['seed']}: the newcomer's "
-                                     f"updates hold, by seq, on the other honest replicas: {seen}")
+                                     f"updates {held}, by seq: {seen}")
     return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 

@@ -66,6 +66,9 @@ class Adversary:
     """Start each phase from an honest replica's state (an attacker that keeps an honest replica alongside its
     own), so that its tampered work is computed where the honest peers stand; otherwise from its own replica,
     which merged its honest updates instead of the tampered ones."""
+    sleeper: int = 0
+    """scale, sign_flip: publish `sleeper` honest updates between two tampered ones (an attack built against a
+    run with sponsors: it graduates, sync/sponsorship.py RECORD, then strikes while its record holds)."""
     withhold: tuple[int, ...] = (2,)
     """withhold: the seqs nobody gets."""
     release_at_s: float | None = None
@@ -73,7 +76,7 @@ class Adversary:
 
     def tamper(self, learner: Learner, honest: OuterUpdate) -> OuterUpdate:
         """The update this peer publishes in place of `honest` (same slot, valid signature)."""
-        if self.mode is Hostility.WITHHOLD:
+        if self.mode is Hostility.WITHHOLD or (self.sleeper and honest.seq % (self.sleeper + 1)):
             return honest
         if self.mode is Hostility.NAN:
             payload = _with_nan(honest.payload, learner.codec.name)
@@ -87,7 +90,7 @@ class Adversary:
         h = honest.header
         return make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=h.seq, tau=h.tau, samples=h.samples,
                            weight=h.weight, codec=h.codec, numel=h.numel, payload=payload,
-                           identity=learner.identity, created_at=h.created_at)
+                           identity=learner.identity, created_at=h.created_at, vouches=h.vouches)
 
 
 class Published(NamedTuple):

@@ -157,14 +157,29 @@ class CrowdSwarm(HostileSwarm):
         distrusted = [len(p.learner.replica.standing.distrusted) for p in honest
                       if p.learner.replica.standing is not None]
         held = [w for pid in self.attackers() for ws in self.weights_by_seq(pid).values() for w in ws]
-        attackers = set(self.attackers())  # in a run with sponsors: the share relayed to them, most on any replica
-        relayed = [sum(w for a, w in p.learner.replica.standing.sponsorship.earned.items() if a in attackers)
+        attackers = set(self.attackers())  # in a run with sponsors: their updates' worth the sponsors relayed
+        relayed = [sum(w for a, w in p.learner.replica.standing.sponsorship.relayed.items() if a in attackers)
                    for p in honest if p.learner.replica.standing is not None]
         out = {"verdicts": stats, "distrusted_min": min(distrusted) if distrusted else 0,
                "crowd": self.attack.size, "mode": self.attack.mode, "count": self.attack.count,
                "crowd_published": sum(self.crowd_seq), "hostile": len(self.adversaries),
                "attacker_weight": sum(held) / len(held) if held else 0.0, "attacker_updates": len(held),
-               "attacker_relayed": max(relayed, default=0.0)}
+               "attacker_relayed": sum(relayed)}
         if self.attack.source and len(self.peers) > self.attack.source:
-            out["source_weights"] = self.weights_by_seq(self.peers[self.attack.source].learner.peer_id)
+            source = self.peers[self.attack.source].learner.peer_id
+            # by seq: the weight it merged with, or in a run with sponsors the share each relayed as a member's
+            out["source_weights"] = self.relayed_by_seq(source) if self.spec.defence.sponsors \
+                else self.weights_by_seq(source)
         return out
+
+    def relayed_by_seq(self, author: str) -> dict[int, list[float]]:
+        """In a run with sponsors: `author`'s updates by seq, the share of its step each sponsor relayed as a
+        graduate's (sync/sponsorship.py `keep`; 0 while its work is relayed at the newcomers' share)."""
+        by_seq: dict[int, list[float]] = {}
+        for p in self.honest():
+            standing = p.learner.replica.standing
+            if standing is not None and standing.sponsorship.judging:
+                for (a, seq), (_, keep) in standing.sponsorship.judged.items():
+                    if a == author:
+                        by_seq.setdefault(seq, []).append(round(keep, 3))
+        return {k: sorted(v) for k, v in sorted(by_seq.items())}

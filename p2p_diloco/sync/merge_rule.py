@@ -73,7 +73,7 @@ class MergeRule:
         if standing is not None and verdict is not None:
             standing.observe(update.sender, delta, verdict, clock(), seq=update.seq)
             header = getattr(update, "header", None)  # a sponsor's verdicts ride in its signed header
-            standing.sponsored_merge(update.sender, update.update_id, delta, scaled, prepared.factor,
+            standing.sponsored_merge(update.sender, update.seq, delta, scaled, prepared.factor,
                                      unpack_vouches(header.vouches) if header is not None and header.vouches else [])
         if multiplier > 0:
             self.policy.observe(delta)

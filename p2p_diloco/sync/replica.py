@@ -80,6 +80,7 @@ from p2p_diloco.sync.pending import Waiting
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, check_theta, header_ok
 from p2p_diloco.sync.slots import LayoutCheck, Slots
+from p2p_diloco.sync.sponsorship import NOTHING, Relayed
 from p2p_diloco.sync.standing import Standing
 from p2p_diloco.sync.types import MergeOutcome, UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
@@ -133,8 +134,7 @@ class Replica:
             self.max_hole_span = int(max_hole_span)
 
     def set_clock(self, clock: Callable[[], float]) -> None:
-        """The clock (seconds) that dates gaps and merges: `time.monotonic` unless set here, the one place it is
-        set (the simulator sets its simulated clock)."""
+        """The clock (seconds) that dates gaps and merges: `time.monotonic` unless the simulator sets its own."""
         self._clock = clock
 
     @property
@@ -275,10 +275,10 @@ class Replica:
         s = self.standing
         return self.version_vector.staleness(base, s.sponsorship.sponsors if s and s.sponsorship.active else None)
 
-    def relay(self) -> tuple[Tensor | None, bytes, float]:
-        """A sponsor's relayed proposals for its next update (`Sponsorship.relay`)."""
+    def relay(self) -> Relayed:
+        """A sponsor's relayed work for its next update (`Sponsorship.relay`)."""
         with self.lock:
-            return self.standing.sponsorship.relay() if self.standing is not None else (None, b"", 0.0)
+            return self.standing.sponsorship.relay() if self.standing is not None else NOTHING
 
     @delivers_bans
     def load(self, theta: Tensor, version_vector: VersionVector) -> list[UpdateLike]:

@@ -64,7 +64,7 @@ class Standing:
 
     def __init__(self, *, probation: float, min_agreement: float, max_norm_ratio: float,
                  full_agreement: float = 0.0, copy_cosine: float = COPY_COSINE, self_id: str = "",
-                 sponsors: Sequence[str] = ()) -> None:
+                 sponsors: Sequence[str] = (), run_id: str = "") -> None:
         if not (0.0 < probation and math.isfinite(probation)):
             raise ValueError(f"probation must be a positive number, got {probation}")
         self.probation = probation
@@ -76,7 +76,7 @@ class Standing:
         self.authors = Authors(self_id)
         self.reference = Reference()
         self.copies = CopyWindow()
-        self.sponsorship = Sponsorship(sponsors, self_id)
+        self.sponsorship = Sponsorship(sponsors, self_id, run_id)
         self.stats: dict[str, int] = {"proposal": 0, "probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
                                       "copy": 0, "negated_copy": 0, TIED: 0, "distrusted": 0, "unvetted": 0}
         self._found: list[tuple[str, int, str]] = []  # copies found after they merged (`copies_found`)
@@ -89,7 +89,7 @@ class Standing:
         d = spec.defence
         return cls(probation=d.probation, min_agreement=d.min_agreement, copy_cosine=d.copy_cosine,
                    max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id,
-                   sponsors=d.sponsors)
+                   sponsors=d.sponsors, run_id=spec.run_id)
 
     @property
     def distrusted(self) -> OrderedDict[str, str]:
@@ -160,7 +160,7 @@ class Standing:
         if sender == self.self_id or sender in self.authors.good:
             self.reference.fold(delta)
 
-    def sponsored_merge(self, sender: str, update_id: bytes, delta: Tensor | Decoded, step: Tensor | Decoded | None,
+    def sponsored_merge(self, sender: str, seq: int, delta: Tensor | Decoded, step: Tensor | Decoded | None,
                         factor: float, vouches: list[tuple[bytes, float]]) -> None:
         """After a merge in a run with sponsors: a sponsor judges and relays it (sync/sponsorship.py); a sponsor's
         header says what it relayed."""
@@ -170,8 +170,9 @@ class Standing:
         sample = None
         if sponsorship.judging:  # in theta's units, the signed weight included: lengths compare steps, not payloads
             source = Decoded.of(step if step is not None else delta)
-            sample = source.take(self.copies.sample_at(source.numel)) * factor
-        sponsorship.merged(sender, update_id, sample, step, factor)
+            sponsorship.at = self.copies.sample_at(source.numel)
+            sample = source.take(sponsorship.at) * factor
+        sponsorship.merged(sender, seq, sample, step, factor)
         if vouches:
             sponsorship.vouched(sender, vouches)
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.config import OuterConfig
+from p2p_diloco.sync.sponsorship import Relayed
 from p2p_diloco.train.phase import swarm_rounds
 from p2p_diloco.wire.codecs import Codec
 
@@ -148,17 +149,20 @@ def chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
-def relay_payload(relay: tuple[torch.Tensor | None, bytes, float], weight: float,
-                  cfg: OuterConfig) -> tuple[torch.Tensor | None, bytes, float]:
-    """A sponsor's relayed proposals (`Replica.relay`, sync/sponsorship.py) for `outer_update`: (extra, vouches,
-    own share). Receivers merge the payload at `outer_lr * min(weight, max_weight)`, so the relayed step (theta's
-    units) is divided by that; both it and the sponsor's own output are scaled by 1 / (1 + t)."""
-    step, vouches, share = relay
-    scale = cfg.outer_lr * min(weight, cfg.max_weight)
-    if step is None or not scale > 0:
-        return None, b"", 1.0
-    own_share = 1.0 / (1.0 + share)
-    return step.mul_(own_share / scale), vouches, own_share
+def relay_payload(relayed: Relayed, weight: float, cfg: OuterConfig) -> tuple[torch.Tensor | None, bytes, float, float]:
+    """A sponsor's relayed work (`Replica.relay`, sync/sponsorship.py) for `outer_update`: (extra, vouches, own
+    share, the weight to sign). The sponsor signs `weight` plus the graduates' work it carries (capped at
+    `max_weight`); receivers merge the payload at `outer_lr` times that, so the relayed step (theta's units) is
+    divided by it, the proposals' part and the sponsor's own output are scaled by 1 / (1 + t), and its own output
+    by `weight` / the signed weight as well: theta moves by its own step, the proposals' and the graduates'."""
+    step, vouches, share, carried = relayed
+    if step is None or not weight > 0:
+        return None, vouches if weight > 0 else b"", 1.0, weight
+    own = min(weight, cfg.max_weight)
+    signed = min(cfg.max_weight, own + carried / cfg.outer_lr)
+    scale = cfg.outer_lr * signed
+    displaced = 1.0 / (1.0 + share)
+    return step.mul_(displaced / scale), vouches, displaced * own / signed, signed
 
 
 def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec: Codec,

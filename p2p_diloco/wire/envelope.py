@@ -6,7 +6,7 @@ Wire format (msgpack):
     header   = [run_id, spec_hash, sender, seq, tau, samples, weight, codec, numel, payload_len,
                 payload_digest, created_at(, vouches)]            (a msgpack array in this fixed order)
     vouches  = a sponsor's verdicts on others' updates (sync/sponsorship.py), present only when not empty:
-               VOUCH_BYTES per verdict, the judged update_id's first 16 bytes then its value in 1/65535ths
+               VOUCH_BYTES per verdict, the judged slot's key (wire/vouches.py) then its value in 1/65535ths
     signature = Ed25519 over UPDATE_DOMAIN-tagged header_bytes, by the key inside `sender` (a PeerID)
 
 The signature covers the header and, through `payload_digest` (sha256), the payload. `decode_update` checks size,

@@ -1,8 +1,10 @@
 """A sponsor's verdicts as they ride in its signed update header (wire/envelope.py `UpdateHeader.vouches`,
-sync/sponsorship.py): VOUCH_BYTES per verdict, the judged update's id cut to VOUCH_ID_BYTES, then its value in
-[0, 1] in 1/65535ths, big-endian."""
+sync/sponsorship.py): VOUCH_BYTES per verdict, the judged update's slot key (`slot_key`, VOUCH_ID_BYTES), then its
+value in [0, 1] in 1/65535ths, big-endian."""
 
 from __future__ import annotations
+
+import hashlib
 
 MAX_VOUCHES = 64
 """Most verdicts one update carries (a sponsor judges what it merged in one phase; the rest it leaves out)."""
@@ -10,14 +12,23 @@ VOUCH_ID_BYTES = 16
 VOUCH_BYTES = VOUCH_ID_BYTES + 2
 
 
+def slot_key(run_id: str, sender: str, seq: int) -> bytes:
+    """What a vouch names: the slot (run, author, seq), not the update's id, so that a graduate proves its record
+    with the sponsors' headers alone (sync/graduation.py). Two updates in one slot are equivocation, evidence
+    against their author anyway."""
+    digest = hashlib.sha256(b"p2p-diloco/slot/v1\x00" + run_id.encode() + b"\x00" + sender.encode() + b"\x00"
+                            + seq.to_bytes(8, "big"))
+    return digest.digest()[:VOUCH_ID_BYTES]
+
+
 def pack_vouches(verdicts: list[tuple[bytes, float]]) -> bytes:
-    """(update_id, value in [0, 1]) verdicts, in the order given (at most MAX_VOUCHES), as a header carries them."""
+    """(slot key, value in [0, 1]) verdicts, in the order given (at most MAX_VOUCHES), as a header carries them."""
     if len(verdicts) > MAX_VOUCHES:
         raise ValueError(f"at most {MAX_VOUCHES} vouches per update, got {len(verdicts)}")
     out = bytearray()
     for update_id, value in verdicts:
         if len(update_id) < VOUCH_ID_BYTES or not 0.0 <= value <= 1.0:
-            raise ValueError(f"a vouch needs an update_id and a value in [0, 1], got {update_id!r}, {value}")
+            raise ValueError(f"a vouch needs a slot key and a value in [0, 1], got {update_id!r}, {value}")
         out += update_id[:VOUCH_ID_BYTES] + round(value * 65535).to_bytes(2, "big")
     return bytes(out)
 

@@ -15,13 +15,13 @@ from test_replica import DIM, MAX_WEIGHT, OUTER_LR, FnCodec, decode, theta0
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.sync.replica import Replica
-from p2p_diloco.sync.sponsorship import Sponsorship
+from p2p_diloco.sync.sponsorship import Relayed, Sponsorship
 from p2p_diloco.sync.standing import Standing
 from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.train.outer import OuterState, outer_update, relay_payload
 from p2p_diloco.wire.codecs import get_codec
 from p2p_diloco.wire.envelope import UpdateHeader
-from p2p_diloco.wire.vouches import unpack_vouches
+from p2p_diloco.wire.vouches import slot_key, unpack_vouches
 from tests.helpers.fakes import FakeUpdate
 
 SPONSORS = ("s1", "s2")
@@ -40,6 +40,10 @@ def update(sender: str, seq: int, payload: torch.Tensor, vouches: bytes = b"") -
     return Signed(sender, seq, uid, 1.0, tuple(payload.tolist()), 4 * DIM, header=header)
 
 
+def key(u: Signed) -> bytes:
+    return slot_key("", u.sender, u.seq)  # what a vouch names: the slot (sponsored_replica's run is "")
+
+
 def sponsored_replica(self_id: str) -> Replica:
     standing = Standing(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, self_id=self_id, sponsors=SPONSORS)
     return Replica(theta0(), outer_lr=OUTER_LR, max_weight=MAX_WEIGHT, codec=FnCodec(decode), standing=standing)
@@ -56,40 +60,42 @@ def test_proposals_merge_at_zero_and_a_sponsor_relays_one_share_for_all_of_them(
     for u in [*honest, negated]:
         assert s1.offer(u)[0] is MergeOutcome.MERGED  # merged: V has it, at weight 0
     torch.testing.assert_close(s1.theta, before)
-    step, vouches, share = s1.relay()
-    values = dict(unpack_vouches(vouches))
-    assert sum(values.values()) <= 1.0 + len(values) / 65535  # one share for all of them
-    assert negated.update_id[:16] not in values and len(values) >= 15
-    expected = sum(values[u.update_id[:16]] * OUTER_LR * torch.tensor(u.payload) for u in honest
-                   if u.update_id[:16] in values) / len(SPONSORS)
-    torch.testing.assert_close(step, expected, rtol=1e-3, atol=1e-6)  # theta's units, 1/S of the values
-    assert abs(share - min(1.0, sum(values.values())) / len(SPONSORS)) < 1e-3  # they displace that much of its own
-    assert s1.relay() == (None, b"", 0.0)  # drained: each proposal is relayed once
+    step, vouches, share, carried = s1.relay()
+    assert carried == 0.0  # no graduate yet
+    values = dict(unpack_vouches(vouches))  # what each proposal is worth, before the one-share scaling
+    assert key(negated) not in values and len(values) >= 15
+    total = sum(values.values())
+    assert total > 1.0  # 20 honest proposals: worth more than one share together, and relayed as one
+    expected = sum(values[key(u)] * OUTER_LR * torch.tensor(u.payload) for u in honest
+                   if key(u) in values) / (len(SPONSORS) * total)
+    torch.testing.assert_close(step, expected, rtol=1e-3, atol=1e-6)  # theta's units, 1/S of one share
+    assert abs(share - 1.0 / len(SPONSORS)) < 1e-3  # they displace that much of its own
+    assert s1.relay() == (None, b"", 0.0, 0.0)  # drained: each proposal is relayed once
 
 
 def test_near_copies_of_this_rounds_work_get_nothing_and_longer_ones_are_scaled_to_a_sponsor_updates_length() -> None:
     s = Sponsorship(SPONSORS, self_id="s1")
     g = torch.Generator().manual_seed(1)
     own, other = torch.randn(512, generator=g), torch.randn(512, generator=g)
-    s.merged("s1", b"\x01" * 32, own, own)
-    s.merged("s2", b"\x02" * 32, other, other)  # another sponsor's work this round
-    s.merged("copier", b"\x03" * 32, other + 0.05 * torch.randn(512, generator=g), other)  # its near copy
-    s.merged("long", b"\x04" * 32, 3 * (own + other), 3 * (own + other))
-    _, vouches, _ = s.relay()
-    (key, value), = unpack_vouches(vouches)
-    assert key == b"\x04" * 16
-    length = (float(own.norm()) + float(other.norm())) / 2  # one sponsor update's length, not the sum's
+    s.merged("s1", 1, own, own)
+    s.merged("s2", 1, other, other)  # another sponsor's work this round
+    s.merged("copier", 1, other + 0.05 * torch.randn(512, generator=g), other)  # its near copy
+    s.merged("long", 1, 3 * (own + other), 3 * (own + other))
+    vouches = s.relay().vouches
+    (vouched, value), = unpack_vouches(vouches)
+    assert vouched == slot_key("", "long", 1)
+    length = min((float(own.norm()) + float(other.norm())) / 2, float(own.norm()))  # one update's, not the sum's
     assert abs(value - length / float((3 * (own + other)).norm())) < 1e-3  # along the sponsors' sum (FLTrust)
 
 
 def test_a_sponsors_relay_displaces_part_of_its_own_step_and_skips_the_momentum() -> None:
     cfg = OuterConfig()
     step = torch.full((8,), 0.3)
-    extra, vouches, own = relay_payload((step.clone(), b"v", 0.5), 0.5, cfg)
-    assert own == 1 / 1.5 and vouches == b"v"
+    extra, vouches, own, signed = relay_payload(Relayed(step.clone(), b"v", 0.5, 0.0), 0.5, cfg)
+    assert own == 1 / 1.5 and vouches == b"v" and signed == 0.5
     torch.testing.assert_close(extra * cfg.outer_lr * 0.5, step / 1.5)  # merged at outer_lr * w: step / (1 + t)
-    assert relay_payload((None, b"", 0.0), 0.5, cfg) == (None, b"", 1.0)
-    assert relay_payload((step, b"v", 0.5), 0.0, cfg)[0] is None
+    assert relay_payload(Relayed(None, b"", 0.0, 0.0), 0.5, cfg) == (None, b"", 1.0, 0.5)
+    assert relay_payload(Relayed(step, b"v", 0.5, 0.0), 0.0, cfg)[0] is None
     state, codec = OuterState.zeros(8), get_codec("fp32")
     delta = torch.ones(8)
     payload, decoded = outer_update(delta, state, cfg, codec, extra=torch.full((8,), 2.0), own_share=0.5)
@@ -133,7 +139,73 @@ def test_a_proposal_that_signs_itself_more_weight_is_relayed_no_longer_than_a_sp
     assert s1.offer(mine)[0] is MergeOutcome.MERGED
     greedy = dataclasses.replace(update("g", 1, own + 0.5 * torch.randn(DIM, generator=g)), weight=MAX_WEIGHT)
     assert s1.offer(greedy)[0] is MergeOutcome.MERGED
-    step, _, _ = s1.relay()
+    step = s1.relay().step
     own_step = OUTER_LR * 0.5 * own
     assert float(step.norm()) <= float(own_step.norm()) / len(SPONSORS) * 1.001
     assert float(step.norm()) > 0.5 * float(own_step.norm()) / len(SPONSORS)  # relayed (at its cosine's share)
+
+
+def _proposal(s: Sponsorship, author: str, seq: int, step: torch.Tensor) -> None:
+    s.merged(author, seq, step, step)
+
+
+def test_a_proposer_with_a_useful_record_is_relayed_as_a_member_and_a_strike_breaks_the_record() -> None:
+    """Graduation: after RECORD useful proposals a sponsor relays an author's next ones as a member's
+    (GRADUATE_SHARE of its step, over S, outside the newcomers' share, with a weight to carry it); a negated one
+    gets nothing and the author is back at a newcomer's share until RECORD more useful ones."""
+    from p2p_diloco.sync.sponsorship import GRADUATE_SHARE, RECORD
+
+    s = Sponsorship(SPONSORS, self_id="s1")
+    g = torch.Generator().manual_seed(4)
+    own = torch.randn(512, generator=g)
+    relayed_as_member = {}
+    for seq in range(1, 9):
+        s.merged("s1", seq, own, own)
+        work = own + torch.randn(512, generator=g)
+        step = -work if seq == RECORD + 2 else work  # one strike, right after graduating
+        _proposal(s, "v", seq, step)
+        out = s.relay()
+        relayed_as_member[seq] = s.judged[("v", seq)][1]
+        if relayed_as_member[seq] > 0:
+            keep = relayed_as_member[seq]
+            assert abs(out.carried - keep / len(SPONSORS)) < 1e-6  # the weight units of what it carries
+            assert keep <= GRADUATE_SHARE
+            torch.testing.assert_close(out.step, keep * (1 + out.share) / len(SPONSORS) * work)
+    assert [seq for seq, k in relayed_as_member.items() if k > 0] == [RECORD + 1, RECORD + 5, RECORD + 6]
+    assert s.graduates == ["v"]
+
+
+def test_a_slot_lost_to_a_copys_race_counts_by_another_sponsors_word() -> None:
+    """A crowd that races copies of a volunteer's updates to one sponsor does not keep the volunteer from
+    graduating there: a slot that sponsor lost to the race does not break the record, and another sponsor's vouch
+    for it fills it."""
+    s = Sponsorship(SPONSORS, self_id="s1")
+    g = torch.Generator().manual_seed(5)
+    own = torch.randn(512, generator=g)
+    s.merged("s1", 1, own, own)
+    first = own + torch.randn(512, generator=g)
+    _proposal(s, "v", 1, first)
+    s.relay()
+    s.merged("s1", 2, own, own)
+    second = own + torch.randn(512, generator=g)
+    _proposal(s, "copier", 1, second)  # its copy arrives first: relayed at a newcomer's share
+    _proposal(s, "v", 2, second)  # the original: a near copy now, relayed with nothing
+    assert s.judged[("v", 2)] == (0.0, 0.0) and not s.graduated("v")
+    s.vouched("s2", [(slot_key("", "v", 2), 0.4)])  # s2 got the original first
+    assert s.graduated("v")
+    s.relay()
+    s.merged("s1", 3, own, own)
+    _proposal(s, "v", 3, own + torch.randn(512, generator=g))
+    assert s.judged[("v", 3)][1] > 0  # its 3rd update: relayed as a member's
+
+
+def test_a_sponsor_signs_the_weight_that_carries_a_graduates_work() -> None:
+    """relay_payload: the sponsor's own output scaled by 1 / (1 + t) times its weight over the signed one, the
+    relayed step divided by outer_lr times the signed weight: theta moves by exactly own + relayed."""
+    cfg = OuterConfig()
+    relayed_step = torch.full((8,), 0.03)
+    extra, _, own_share, signed = relay_payload(Relayed(relayed_step.clone(), b"", 0.25, 0.1), 0.5, cfg)
+    assert signed == min(cfg.max_weight, 0.5 + 0.1 / cfg.outer_lr)
+    own_out = torch.ones(8)
+    moved = cfg.outer_lr * signed * (own_out * own_share + extra)
+    torch.testing.assert_close(moved, cfg.outer_lr * 0.5 * own_out / 1.25 + relayed_step / 1.25)

@@ -1,0 +1,69 @@
+"""Graduation in a run with founders (sync/sponsorship.py), in the in-process swarm with the 3 honest peers as
+the spec's sponsors: an honest volunteer that joins late is relayed as a member's from its 3rd update at every
+sponsor, even while 10 identities race copies of its updates to them; peers that train, graduate and then strike
+(built against graduation) get none of their strikes in; replicas equal throughout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from p2p_diloco.config import DefenceConfig, SimConfig, preset
+from p2p_diloco.sim.adversary import Adversary, Hostility
+from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
+from p2p_diloco.sync.sponsorship import PROVEN, RECORD
+from p2p_diloco.train.data.corpus import load_corpus
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 600
+
+
+def _spec():  # noqa: ANN202
+    base = preset("test")
+    return dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=STEPS // 3),
+                               defence=DefenceConfig())
+
+
+def test_a_late_volunteer_copied_by_a_crowd_is_relayed_as_a_member_from_its_third_update() -> None:
+    spec = _spec()
+    sim = SimConfig(peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8, eval_every_s=float(STEPS),
+                    join=(f"{STEPS // 6}",))
+    swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(10, "copy", source=3))
+    summary = swarm.honest_summary(swarm.run())
+    assert summary["finite"] and summary["divergence"] < 1e-6  # equal replicas, the joiner's too
+    volunteer = swarm.peers[3].learner.peer_id
+    by_seq = swarm.relayed_by_seq(volunteer)
+    assert len(by_seq) >= 5 and all(len(shares) == 3 for shares in by_seq.values()), by_seq
+    assert not any(by_seq[1]) and not any(by_seq[2]), by_seq  # its first RECORD updates: a newcomer's share
+    for seq in range(RECORD + 1, max(by_seq) + 1):
+        assert all(share > 0 for share in by_seq[seq]), by_seq  # from its 3rd, at every sponsor
+    crowd = {identity.peer_id for identity in swarm.crowd}
+    for p in swarm.peers[:3]:  # the copiers won some races: a newcomer's share of those, never a member's
+        sponsorship = p.learner.replica.standing.sponsorship
+        assert not set(sponsorship.graduates) & crowd
+        assert sum(sponsorship.relayed.get(a, 0.0) for a in crowd) < sponsorship.relayed[volunteer]
+
+
+def _hostile(sleeper: int) -> tuple[CrowdSwarm, dict]:
+    spec = _spec()
+    sim = SimConfig(peers=6, sponsors=3, total_steps=2 * STEPS, eval_batches=8, eval_every_s=float(2 * STEPS))
+    adversaries = [Adversary(i, Hostility.SIGN_FLIP, sleeper=sleeper) for i in range(3, 6)]
+    swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(0, "copy"), adversaries=adversaries)
+    return swarm, swarm.honest_summary(swarm.run())
+
+
+def test_sleepers_graduate_and_then_strike_and_none_of_their_strikes_gets_in() -> None:
+    negators, negated = _hostile(sleeper=0)  # never graduate: what 3 peers whose work counts for nothing cost
+    sleepers, slept = _hostile(sleeper=RECORD)
+    assert slept["finite"] and slept["divergence"] < 1e-6
+    assert slept["eval_loss"] <= 1.03 * negated["eval_loss"], (negated, slept)
+    for p in sleepers.peers[:3]:
+        sponsorship = p.learner.replica.standing.sponsorship
+        for peer in sleepers.peers[3:]:
+            judged = {seq: vk for (a, seq), vk in sponsorship.judged.items() if a == peer.learner.peer_id}
+            strikes = [seq for seq in judged if seq % (RECORD + 1) == 0]
+            assert len(strikes) >= 2 and not any(judged[s][1] for s in strikes), judged  # nothing relayed
+            # ... and it struck as a graduate: its RECORD updates before each strike were judged useful
+            assert any(all(judged.get(s - k, (0.0, 0.0))[0] >= PROVEN for k in range(1, RECORD + 1))
+                       for s in strikes), judged
