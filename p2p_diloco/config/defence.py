@@ -46,7 +46,8 @@ class DefenceConfig:
     """Founder keys (PeerIDs) who decide what everyone else's work weighs (sync/sponsorship.py): their updates
     merge at their signed weight (after probation); anyone else's merges at 0 everywhere, and each sponsor relays
     the ones it judges useful inside its own next update, at most one sponsor update's worth for all of them
-    together. Empty (the default): probation and vetting decide."""
+    together, and an author whose last 2 were useful as a member's (graduation). Empty (the default): probation
+    and vetting decide."""
     probation: float = 0.25
     """An author's k-th update merges at probation * 2**(k-1) of its signed weight, capped at 1 (sync/standing.py):
     a fresh identity's first updates count for a fraction while they are vetted; 1 disables."""
