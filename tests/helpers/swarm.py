@@ -212,3 +212,12 @@ class Launcher:
 def max_relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |a|: replicas that merged the same updates agree to float rounding."""
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-12))
+
+
+def founder_key(workdir: Path, name: str) -> str:
+    """The key `join --identity workdir/NAME.key` will use, made before the run (as a run's founders do, so that
+    the spec can name them): keygen, then `id`; returns its PeerID."""
+    key = str(workdir / f"{name}.key")
+    subprocess.run(cli("keygen", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(cli("id", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip().split()[-1]

@@ -10,8 +10,6 @@ the processes, the wire and the gossip: nothing the crowd signs moves the model.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from p2p_diloco.wire.envelope import decode_update, encode_update, make_update
 from p2p_diloco.wire.identity import Identity
 from tests.helpers.hostile import HostilePeer
 from tests.helpers.net import start_member
-from tests.helpers.swarm import Launcher, cli, max_relative_difference, wait_until
+from tests.helpers.swarm import Launcher, founder_key, max_relative_difference, wait_until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -28,12 +26,6 @@ START_S = 150
 CROWD = 10
 WAVES = 3
 
-
-def _peer_id(workdir, name: str) -> str:
-    key = str(workdir / f"{name}.key")
-    subprocess.run(cli("keygen", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
-    out = subprocess.run(cli("id", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
-    return out.stdout.strip().split()[-1]
 
 
 def _latest_of(loop, hostile: HostilePeer, sender: str, at_least: int):  # noqa: ANN001, ANN202
@@ -49,7 +41,7 @@ def _latest_of(loop, hostile: HostilePeer, sender: str, at_least: int):  # noqa:
 
 
 def test_ten_hostile_identities_against_founders_get_nothing_into_the_model(loop, tmp_path, tmp_path_factory) -> None:
-    a, b = _peer_id(tmp_path, "A"), _peer_id(tmp_path, "B")
+    a, b = founder_key(tmp_path, "A"), founder_key(tmp_path, "B")
     sponsors = ("--spec.defence.sponsors", f"{a},{b}")
     crowd = [Identity.generate() for _ in range(CROWD)]
     with Launcher(tmp_path) as launcher:

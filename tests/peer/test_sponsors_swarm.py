@@ -10,23 +10,16 @@ import subprocess
 
 import pytest
 
-from tests.helpers.swarm import Launcher, cli, max_relative_difference
+from tests.helpers.swarm import Launcher, cli, founder_key, max_relative_difference
 
 pytestmark = pytest.mark.timeout(300)
 
 START_S = 120
 
 
-def _peer_id(workdir, name: str) -> str:
-    """The key `join --identity` will use, made before the run (as a run's founders do): keygen, then id."""
-    key = str(workdir / f"{name}.key")
-    subprocess.run(cli("keygen", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
-    out = subprocess.run(cli("id", "--identity", key), capture_output=True, text=True, timeout=60, check=True)
-    return out.stdout.strip().split()[-1]
-
 
 def test_founders_relay_a_volunteer_and_the_replicas_end_equal(tmp_path) -> None:
-    a, b = _peer_id(tmp_path, "A"), _peer_id(tmp_path, "B")
+    a, b = founder_key(tmp_path, "A"), founder_key(tmp_path, "B")
     sponsors = ("--spec.defence.sponsors", f"{a},{b}")
     with Launcher(tmp_path) as launcher:
         _, bootstrap = launcher.bootstrap()
