@@ -9,6 +9,8 @@ update into its own replica, and publishes a tampered one instead:
                it); with `bounded`, its largest coordinate capped just under the spec's norm bound (the
                longest update that passes it: an attacker who knows the spec)
     sign_flip  the payload is minus the honest one
+    tilt       the honest one negated, tilted toward the swarm's recent direction until its cosine with it is
+               `factor` (`tilted`): built against a judge of directions
     withhold   seqs in `withhold` are published to nobody and kept by nobody (a lost update: replicas skip its gap);
                with `release_at_s` they are sent to every live peer at that time instead
 
@@ -50,6 +52,7 @@ class Hostility(str, Enum):
     SCALE = "scale"
     SIGN_FLIP = "sign_flip"
     WITHHOLD = "withhold"
+    TILT = "tilt"
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,41 @@ class Adversary:
             if self.mode is Hostility.SCALE:
                 bound = MergePolicy.from_spec(learner.spec).reject_above if self.bounded else math.inf
                 payload = learner.codec.compress(within_bound(d, self.factor, bound))
+            elif self.mode is Hostility.TILT:
+                payload = learner.codec.compress(tilted(learner, d, self.factor))
             else:
                 payload = learner.codec.compress(-d)
         h = honest.header
         return make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=h.seq, tau=h.tau, samples=h.samples,
                            weight=h.weight, codec=h.codec, numel=h.numel, payload=payload,
                            identity=learner.identity, created_at=h.created_at, vouches=h.vouches)
+
+
+def tilted(learner: Learner, honest: torch.Tensor, cosine: float) -> torch.Tensor:
+    """Built against a judge of directions (sync/sponsorship.py): the honest update negated, plus just enough of
+    the swarm's own recent direction (what theta moved by since this peer's last update: mostly the sponsors'
+    work) that its cosine with that direction is `cosine`, at the honest update's length. It passes a judge that
+    asks "does it point along our work?" while its component off that direction is the honest one negated. The
+    first update, with no direction to tilt to yet, is the honest one."""
+    theta = learner.replica.theta
+    previous = learner.__dict__.get("_tilt_theta")
+    learner.__dict__["_tilt_theta"] = theta.clone()
+    if previous is None:
+        return honest
+    swarm, length = previous - theta, float(honest.norm())
+    if not (float(swarm.norm()) > 0 and length > 0):
+        return -honest
+    s, p = swarm / swarm.norm(), honest / length
+    c0 = float(torch.dot(p, s))
+    low, high = 0.0, 100.0  # cos(-p + x s, s) = (x - c0) / |-p + x s| grows with x: bisect for `cosine`
+    for _ in range(60):
+        x = (low + high) / 2
+        if (x - c0) / math.sqrt(max(1e-12, 1 - 2 * x * c0 + x * x)) < cosine:
+            low = x
+        else:
+            high = x
+    out = -p + high * s
+    return out * (length / float(out.norm()))
 
 
 class Published(NamedTuple):
@@ -164,7 +196,7 @@ class HostileSwarm(AsyncSwarm):
         def finish_phase(phase, result, swarm) -> OuterUpdate:  # noqa: ANN001
             honest = honest_finish(phase, result, swarm)
             tampered = adversary.tamper(learner, honest)
-            if adversary.mode in (Hostility.SCALE, Hostility.SIGN_FLIP):
+            if adversary.mode in (Hostility.SCALE, Hostility.SIGN_FLIP, Hostility.TILT):
                 d, t = (learner.codec.decompress(u.payload, u.header.numel) for u in (honest, tampered))
                 cosine = float(torch.nn.functional.cosine_similarity(d, t, dim=0))
                 self.published.append(Published(peer.index, tampered.seq, cosine, float(t.norm() / d.norm()),
