@@ -165,8 +165,10 @@ class PeerReport(Hooks):
                  "utilization": self.last.get("utilization", 0.0),  # while training (lingering is not idling)
                  # vetting's verdicts (sync/standing.py) by reason: an honest run has only "probation"
                  "vetting": {k: n for k, n in getattr(learner.replica.standing, "stats", {}).items() if n},
-                 # in a run with sponsors: the share of a sponsor update each proposer's work was relayed with
-                 "relayed": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "earned", {}))}
+                 # in a run with sponsors (sync/sponsorship.py): at a sponsor, the updates' worth of each author's
+                 # work it relayed; everywhere, what the sponsors judged each author's work worth
+                 "relayed": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "relayed", {})),
+                 "judged": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "earned", {}))}
         if out_dir:
             theta_path, vv_path = save_state(out_dir, theta, vv,
                                              {"peer_id": learner.peer_id, "spec_hash": self.spec.spec_hash(),

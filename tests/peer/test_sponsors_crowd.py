@@ -80,8 +80,9 @@ def test_ten_hostile_identities_against_founders_get_nothing_into_the_model(loop
         assert all(seq >= 1 for seq in merged.values()) and sum(merged.values()) >= CROWD * 2, (name, merged)
         vetting = finals[name]["vetting"]
         assert vetting.get("proposal", 0) >= sum(merged.values()), vetting
-        relayed = finals[name]["relayed"]
-        assert sum(relayed.get(pid, 0.0) for pid in ids) == 0.0, relayed  # judged worth nothing, relayed nothing
+        relayed, judged = finals[name]["relayed"], finals[name]["judged"]
+        assert sum(judged.get(pid, 0.0) for pid in ids) == 0.0, judged  # judged worth nothing by A and B
+        assert sum(relayed.get(pid, 0.0) for pid in ids) == 0.0, relayed  # and relayed nothing
     assert states["A"][1]["digest"] == states["B"][1]["digest"]
     assert max_relative_difference(states["A"][0], states["B"][0]) < 1e-5
     for proc in peers.values():  # and they kept training: every round's loss finite
