@@ -1,7 +1,8 @@
 """Graduation in a run with founders (issue 25, sync/sponsorship.py): what relaying a proven volunteer's work as a
 member's does to an honest run, and what an author that graduates and then strikes gets.
 
-The in-process swarm (sim/crowd.py, the real sign-verify-merge path), `test` preset, H=20. Rows, each over seeds:
+The in-process swarm (sim/crowd.py, the real sign-verify-merge path), `test` preset (`--preset`), H=20. Rows,
+each over seeds:
 
     plain6        6 honest peers, no sponsors (the spec's default defences)
     members@X     3 sponsors (the spec's `defence.sponsors`) and 3 honest non-sponsors, graduates relayed with
@@ -14,7 +15,7 @@ The in-process swarm (sim/crowd.py, the real sign-verify-merge path), `test` pre
                   member's, by seq
 
 Median honest eval loss (nats per byte) and replica divergence (relative L2); the cost of each row against
-`members@0.5` (today's setting) of the same seeds.
+`members@0.25` (today's setting, sync/sponsorship.py GRADUATE_SHARE) of the same seeds.
 
     python benchmarks/bench_graduation.py --seeds 2 --jobs 2 --out benchmarks/results/crowd/graduation
 """
@@ -29,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-DEFAULT_SHARE, DEFAULT_RECORD = 0.5, 2  # sync/sponsorship.py's, set again in every job (pool workers are reused)
+DEFAULT_SHARE, DEFAULT_RECORD = 0.25, 2  # sync/sponsorship.py's, set again in every job (pool workers are reused)
 ROWS = ["plain6", "members@0", "members@0.25", "members@0.5", "members@1", "negate", "sleeper", "volunteer"]
 
 
@@ -50,7 +51,7 @@ def run_one(job: dict) -> dict:
     share = float(row.split("@")[1]) if row.startswith("members@") else DEFAULT_SHARE
     sponsorship.GRADUATE_SHARE = share
     sponsorship.RECORD = DEFAULT_RECORD if share > 0 else 10**9  # 0: nobody graduates
-    base = dataclasses.replace(preset("test"), seed=job["seed"])
+    base = dataclasses.replace(preset(job["preset"]), seed=job["seed"])
     spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=steps // 3),
                                defence=DefenceConfig())
     corpus = load_corpus(spec.data)
@@ -76,6 +77,7 @@ def run_one(job: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--preset", default="test")
     ap.add_argument("--steps", type=int, default=600, help="per sponsor; the 6-peer rows have twice the budget")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=1)
@@ -85,7 +87,7 @@ def main() -> int:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {ROWS}")
-    jobs = [dict(row=r, seed=s, steps=args.steps) for r in rows for s in range(args.seeds)]
+    jobs = [dict(row=r, seed=s, steps=args.steps, preset=args.preset) for r in rows for s in range(args.seeds)]
     t0, results = time.time(), []
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         for i, res in enumerate(pool.imap_unordered(run_one, jobs), 1):
@@ -97,8 +99,8 @@ def main() -> int:
         vals = [r["eval_loss"] for r in results if r["row"] == row]
         return statistics.median(vals) if vals else float("nan")
 
-    ref = median("members@0.5")
-    lines = ["| row | honest eval loss (median) | per seed | vs members@0.5 | divergence (max) |",
+    ref = median(f"members@{DEFAULT_SHARE:g}")
+    lines = ["| row | honest eval loss (median) | per seed | vs today | divergence (max) |",
              "|---|---:|---|---:|---:|"]
     for row in rows:
         cells = sorted((r for r in results if r["row"] == row), key=lambda r: r["seed"])
