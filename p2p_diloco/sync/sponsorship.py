@@ -67,7 +67,7 @@ MAX_WINDOW = 256
 MAX_EARNED = 4096
 """Authors whose judged worth (and, at a sponsor, record) a replica keeps (the least recent drop out)."""
 RECORD = 2
-"""Consecutive useful proposals after which a sponsor relays an author's work in full."""
+"""Consecutive useful proposals after which a sponsor relays an author's work as a member's (graduation)."""
 GRADUATE_SHARE = 0.25
 """The share of a graduate's step a sponsor relays (times `keep`, over S). Not 1: a proposer's own replica never
 merges its update (weight 0), so its next phase starts without it and re-does part of that work; relaying all
@@ -135,7 +135,7 @@ class Sponsorship:
         return author in self.sponsors
 
     def graduated(self, author: str) -> bool:
-        """This sponsor judged `author`'s last RECORD proposals useful: it relays the next one in full."""
+        """This sponsor judged `author`'s last RECORD proposals useful: it relays the next one as a member's."""
         record = self._record.get(author, {})
         latest = sorted(record)[-RECORD:]
         return len(latest) == RECORD and all(record[seq] >= PROVEN for seq in latest)
@@ -171,7 +171,8 @@ class Sponsorship:
                 if keep > 0:
                     self._full = _add(self._full, step, factor * keep)
                     self._carried += factor * keep
-                self._graded.append((key, value))
+                if len(self._graded) < MAX_VOUCHES:  # what its header can list
+                    self._graded.append((key, value))
             elif value > 0 and len(self._values) < MAX_VOUCHES:
                 self._relay = _add(self._relay, step, factor * value)
                 self._values.append((key, value))
@@ -184,8 +185,8 @@ class Sponsorship:
     def relay(self) -> Relayed:
         """What this sponsor's next update carries for the proposals it judged since its last one (`Relayed`):
         the proposals' values scaled to sum to at most 1, so all of them together take at most one share `t` <= 1/S
-        of its update, mixed in by displacing its own work, `(own + relayed) / (1 + t)`; the graduates' in full.
-        Drains them."""
+        of its update, mixed in by displacing its own work, `(own + relayed) / (1 + t)`; the graduates' on top, as
+        members' (`GRADUATE_SHARE * keep` of each step, over S). Drains them."""
         if not self.judging:
             return NOTHING
         relay, full, values, graded = self._relay, self._full, self._values, self._graded
