@@ -28,7 +28,7 @@ of them sharing as much compute as the honest peers together (`train_negate_shar
 trained from an honest replica's state rather than its own (`train_negate_tracked`), or, built against a run
 with sponsors' graduation, two honest updates between two tampered ones (`train_sleeper`: negated,
 `train_sleeper_scale`: x5 capped, `train_sleeper_bound`: negated x5 capped), or negated and tilted toward the
-swarm's recent direction until its cosine with it is 0.3 (`train_tilt`). For `train_*`, K is the
+swarm's recent direction until its cosine with it is 0.3 (`train_tilt`) or 0.9 (`train_tilt9`). For `train_*`, K is the
 number of hostile peers and no crowd signs anything. The defence `standing` is the spec's defaults (whatever
 the code under test makes them).
 
@@ -94,12 +94,13 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            "train_sleeper_scale": Attack(factor=5.0, hostile=Hostility.SCALE, bounded=True, sleeper=2),
            "train_sleeper_bound": Attack(factor=-5.0, hostile=Hostility.SCALE, bounded=True, sleeper=2),
            # built against the sponsors' judge of directions: negated work tilted to cosine 0.3 with the swarm's
-           "train_tilt": Attack(factor=0.3, hostile=Hostility.TILT)}
+           "train_tilt": Attack(factor=0.3, hostile=Hostility.TILT),
+           "train_tilt9": Attack(factor=0.9, hostile=Hostility.TILT)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive",
             "copy_newcomer", "near_copy_newcomer", "train_honest",
             "train_negate", "train_scale", "train_negate_bound",
             "train_negate_shared", "train_negate_tracked", "train_sleeper", "train_sleeper_scale",
-            "train_sleeper_bound", "train_tilt"]
+            "train_sleeper_bound", "train_tilt", "train_tilt9"]
 CLEAN = {"clean": Attack(), "clean_join": Attack(newcomer=True)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
                           copy_cosine=0.0),
