@@ -57,17 +57,16 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> float:
                         sponsors=tuple(f"s{i}" for i in range(SPONSORS)))
     sponsorship: Sponsorship = standing.sponsorship
     at = standing.copies.sample_at(numel)
-    sponsorship.at = at
     times = []
     for r in range(repeats + 1):
-        sponsorship.merged("s0", r + 1, steps[0][at] * 1e-3, steps[0], 1e-3)  # its own, untimed
+        sponsorship.merged("s0", r + 1, steps[0][at] * 1e-3, steps[0], 1e-3, at)  # its own, untimed
         relayed = sum(sponsorship.relayed.values())
         t0 = time.perf_counter()
         for i in range(1, peers):
             author = f"s{i}" if i < SPONSORS else f"v{i}"
             step = steps[i]
             sample = Decoded.of(step).take(at) * 1e-3  # what Standing.sponsored_merge takes
-            sponsorship.merged(author, r + 1, sample, step, 1e-3)
+            sponsorship.merged(author, r + 1, sample, step, 1e-3, at)
         sponsorship.relay()
         if r:  # the first round fills the records
             times.append(time.perf_counter() - t0)

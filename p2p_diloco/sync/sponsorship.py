@@ -116,7 +116,7 @@ class Sponsorship:
         self._relay: Tensor | None = None  # sum of v(u) * step(u) of proposals, in theta's units
         self._full: Tensor | None = None  # sum of keep(u) * step(u) of graduates' proposals
         self._carried = 0.0
-        self.at: Tensor | None = None  # the sampled coordinates (the copy window's), set by the standing
+        self._at: Tensor | None = None  # the sampled coordinates (the copy window's) the samples were taken at
         self._relayed_at: Tensor | None = None  # what our last update relayed, theta's units, at `at`
         self._own_length = 0.0  # our own last step's length at `at`, without what it relayed
         self._values: list[tuple[bytes, float]] = []  # proposals relayed at a share
@@ -145,11 +145,13 @@ class Sponsorship:
         return [a for a in self._record if self.graduated(a)]
 
     def merged(self, author: str, seq: int, sample: Tensor | None, step: Tensor | Decoded | None,
-               factor: float = 1.0) -> None:
+               factor: float = 1.0, at: Tensor | None = None) -> None:
         """An update merged here (`step * factor`: what it would move theta by at full weight; `sample`: that
-        step's values at the copy coordinates, so a proposal that signs itself a larger weight is longer and
+        step's values at the copy coordinates `at`, so a proposal that signs itself a larger weight is longer and
         scaled down). A sponsor keeps its own as the direction to judge by and relays a useful proposal's step."""
         key = slot_key(self.run_id, author, seq)
+        if at is not None:
+            self._at = at
         if author not in self.sponsors:
             _bounded(self._authors, key, (author, seq))
         if not self.judging or sample is None:
@@ -206,8 +208,8 @@ class Sponsorship:
         if full is not None:
             full.mul_((1.0 + share) / sponsors)
             relay = full if relay is None else relay.add_(full)
-        if relay is not None and self.at is not None and int(self.at[-1]) < relay.numel():
-            self._relayed_at = relay[self.at] / (1.0 + share)  # what it will move theta by (`relay_payload`)
+        if relay is not None and self._at is not None and int(self._at[-1]) < relay.numel():
+            self._relayed_at = relay[self._at] / (1.0 + share)  # what it will move theta by (`relay_payload`)
         verdicts = [(k, v) for k, v in graded if v > 0] + sorted(values, key=lambda kv: -kv[1])
         return Relayed(relay, pack_vouches(verdicts[:MAX_VOUCHES]), share, carried / sponsors)
 

@@ -167,12 +167,12 @@ class Standing:
         sponsorship = self.sponsorship
         if not sponsorship.active:
             return
-        sample = None
+        sample = at = None
         if sponsorship.judging:  # in theta's units, the signed weight included: lengths compare steps, not payloads
             source = Decoded.of(step if step is not None else delta)
-            sponsorship.at = self.copies.sample_at(source.numel)
-            sample = source.take(sponsorship.at) * factor
-        sponsorship.merged(sender, seq, sample, step, factor)
+            at = self.copies.sample_at(source.numel)
+            sample = source.take(at) * factor
+        sponsorship.merged(sender, seq, sample, step, factor, at)
         if vouches:
             sponsorship.vouched(sender, vouches)
 
