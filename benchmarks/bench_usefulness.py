@@ -38,11 +38,12 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import SimConfig, preset
+from p2p_diloco.sim.adversary import tilt
 from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
 from p2p_diloco.train.data.corpus import Corpus, ShardSampler, eval_batches, evaluate, load_corpus
 from p2p_diloco.train.models.build import build_model, load_flat_params
 
-KINDS = ("honest", "negated", "near_copy", "noise", "scale3")
+KINDS = ("honest", "negated", "near_copy", "noise", "scale3", "tilt9")
 STAGES = ("early", "middle", "late")
 
 
@@ -126,6 +127,10 @@ class MeasuredSwarm(AsyncSwarm):
                 attacks = {"honest": step, "negated": -step,
                            "near_copy": -step + 0.05 * step.norm() * noise / noise.norm(),
                            "noise": noise * (step.norm() / noise.norm()), "scale3": 3 * step}
+                # sim/adversary.py `tilted` at 0.9: negated, tilted toward theta's move since the author's last
+                # update (its first update is honest, as the attacker's is)
+                previous = self.bases.get((update.sender, update.seq - 1))
+                attacks["tilt9"] = step if previous is None else tilt(step, previous - base, 0.9)
                 row.update({kind: self.judge.change(base, s) for kind, s in attacks.items()})
                 own = self.own.get(learner.peer_id)
                 if own is not None:  # the receiver judges by the direction of its own latest work

@@ -45,6 +45,9 @@ class SimConfig:
     sponsors: int = 0
     """The first this many peers are the run's sponsors (their keys in the spec's `defence.sponsors`): a run with
     founders (sync/sponsorship.py). 0: the spec's own list."""
+    iid: bool = False
+    """Every unit samples the whole training split, each its own stream (as units reading a token dataset do),
+    instead of a file shard each."""
     eval_every_s: float = 0.0
     """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
     eval_batches: int = 8

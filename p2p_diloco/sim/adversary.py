@@ -72,6 +72,8 @@ class Adversary:
     sleeper: int = 0
     """scale, sign_flip: publish `sleeper` honest updates between two tampered ones (an attack built against a
     run with sponsors: it graduates, sync/sponsorship.py RECORD, then strikes while its record holds)."""
+    lag: int = 0
+    """tilt: tilt toward theta's move of `lag` updates ago (`tilted`)."""
     withhold: tuple[int, ...] = (2,)
     """withhold: the seqs nobody gets."""
     release_at_s: float | None = None
@@ -89,7 +91,7 @@ class Adversary:
                 bound = MergePolicy.from_spec(learner.spec).reject_above if self.bounded else math.inf
                 payload = learner.codec.compress(within_bound(d, self.factor, bound))
             elif self.mode is Hostility.TILT:
-                payload = learner.codec.compress(tilted(learner, d, self.factor))
+                payload = learner.codec.compress(tilted(learner, d, self.factor, self.lag))
             else:
                 payload = learner.codec.compress(-d)
         h = honest.header
@@ -98,21 +100,29 @@ class Adversary:
                            identity=learner.identity, created_at=h.created_at, vouches=h.vouches)
 
 
-def tilted(learner: Learner, honest: torch.Tensor, cosine: float) -> torch.Tensor:
+def tilted(learner: Learner, honest: torch.Tensor, cosine: float, lag: int = 0) -> torch.Tensor:
     """Built against a judge of directions (sync/sponsorship.py): the honest update negated, plus just enough of
     the swarm's own recent direction (what theta moved by since this peer's last update: mostly the sponsors'
     work) that its cosine with that direction is `cosine`, at the honest update's length. It passes a judge that
-    asks "does it point along our work?" while its component off that direction is the honest one negated. The
-    first update, with no direction to tilt to yet, is the honest one."""
-    theta = learner.replica.theta
-    previous = learner.__dict__.get("_tilt_theta")
-    learner.__dict__["_tilt_theta"] = theta.clone()
-    if previous is None:
+    asks "does it point along our work?" while its component off that direction is the honest one negated. With
+    `lag`, theta's move between this peer's updates lag + 1 and lag before this one instead (built against a
+    sponsor that removes its own recent moves from what it relays). Until it has that much history it publishes
+    honest updates."""
+    thetas = learner.__dict__.setdefault("_tilt_thetas", [])  # theta at this peer's updates, newest first
+    thetas.insert(0, learner.replica.theta.clone())
+    del thetas[lag + 2:]
+    if len(thetas) < lag + 2:
         return honest
-    swarm, length = previous - theta, float(honest.norm())
-    if not (float(swarm.norm()) > 0 and length > 0):
+    return tilt(honest, thetas[lag + 1] - thetas[lag], cosine)
+
+
+def tilt(honest: torch.Tensor, direction: torch.Tensor, cosine: float) -> torch.Tensor:
+    """`honest` negated, plus just enough of `direction` that the result's cosine with it is `cosine`, at the
+    honest length (`tilted`'s attack against a judge that rewards pointing along `direction`)."""
+    length = float(honest.norm())
+    if not (float(direction.norm()) > 0 and length > 0):
         return -honest
-    s, p = swarm / swarm.norm(), honest / length
+    s, p = direction / direction.norm(), honest / length
     c0 = float(torch.dot(p, s))
     low, high = 0.0, 100.0  # cos(-p + x s, s) = (x - c0) / |-p + x s| grows with x: bisect for `cosine`
     for _ in range(60):

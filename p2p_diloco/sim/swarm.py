@@ -133,8 +133,9 @@ class AsyncSwarm:
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         index = len(self.peers)
         identity = self.founders[index] if index < len(self.founders) else Identity.generate()
-        learner = Learner(self.spec, identity, self.corpus, shard=self._shard_of(index),
-                          num_shards=self.num_shards, replica_state=state, device=self.device)
+        shard, shards, stream = (0, 1, f"unit{index}") if self.sim.iid else (self._shard_of(index), self.num_shards, "")
+        learner = Learner(self.spec, identity, self.corpus, shard=shard, num_shards=shards, replica_state=state,
+                          device=self.device, stream=stream)
         exchange = MemoryExchange(self.net, learner.peer_id, self._view)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
                        speed=speed, store=UpdateStore(max_bytes=256 << 20), exchange=exchange,

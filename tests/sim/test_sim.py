@@ -114,3 +114,19 @@ def test_timing_noise_bounds_are_checked():
     for bad in ({"phase_jitter": 1.0}, {"latency_jitter_s": -1}, {"start_spread_s": -0.1}):
         with pytest.raises(ConfigError):
             SimConfig(**bad).validate()
+
+
+def test_iid_units_draw_their_own_streams_from_the_whole_split(corpus):
+    """`SimConfig.iid`: every unit samples the whole training split, as units reading a token dataset do, each in a
+    stream of its own; by default each unit has a file shard."""
+    from p2p_diloco.sim.swarm import AsyncSwarm
+
+    def first_batches(iid: bool) -> list[torch.Tensor]:
+        swarm = AsyncSwarm(SPEC, SimConfig(peers=3, total_steps=3 * 20, iid=iid), corpus)
+        peers = [swarm._add_peer(1.0) for _ in range(3)]
+        assert all(p.learner.sampler.num_shards == (1 if iid else 3) for p in peers)
+        return [p.learner.sampler.batch(0)[0] for p in peers]
+
+    iid, sharded = first_batches(True), first_batches(False)
+    assert not any(torch.equal(a, b) for i, a in enumerate(iid) for b in iid[i + 1:])  # a stream each
+    assert not torch.equal(iid[0], sharded[0])
