@@ -70,6 +70,7 @@ class Attack:
     shared: bool = False  # the K hostile peers together have as much compute as the honest ones
     track: bool = False  # the hostile peers train from an honest replica's state, not their own
     sleeper: int = 0  # the hostile peers publish this many honest updates between two tampered ones
+    lag: int = 0  # tilt: toward theta's move of this many updates ago
 
 
 ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
@@ -95,12 +96,17 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            "train_sleeper_bound": Attack(factor=-5.0, hostile=Hostility.SCALE, bounded=True, sleeper=2),
            # built against the sponsors' judge of directions: negated work tilted to cosine 0.3 with the swarm's
            "train_tilt": Attack(factor=0.3, hostile=Hostility.TILT),
-           "train_tilt9": Attack(factor=0.9, hostile=Hostility.TILT)}
+           "train_tilt9": Attack(factor=0.9, hostile=Hostility.TILT),
+           # the swarm's own recent move echoed at the honest length (no negated work in it); built against the
+           # sponsors' removal of their recent moves (sync/sponsorship.py ECHO = 2): theta's move of 2 updates ago
+           "train_echo": Attack(factor=0.9999, hostile=Hostility.TILT),
+           "train_echo_lag": Attack(factor=0.9999, hostile=Hostility.TILT, lag=2),
+           "train_tilt9_lag": Attack(factor=0.9, hostile=Hostility.TILT, lag=2)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive",
             "copy_newcomer", "near_copy_newcomer", "train_honest",
             "train_negate", "train_scale", "train_negate_bound",
             "train_negate_shared", "train_negate_tracked", "train_sleeper", "train_sleeper_scale",
-            "train_sleeper_bound", "train_tilt", "train_tilt9"]
+            "train_sleeper_bound", "train_tilt", "train_tilt9", "train_echo", "train_echo_lag", "train_tilt9_lag"]
 CLEAN = {"clean": Attack(), "clean_join": Attack(newcomer=True)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
                           copy_cosine=0.0),
@@ -131,9 +137,9 @@ def run_one(job: dict) -> dict:
     sim = SimConfig(peers=honest + trainers, total_steps=total, eval_batches=16, eval_every_s=float(total),
                     speeds=("1",) * honest + (f"{speed:g}",) * trainers,
                     join=(f"{spp / 2:g}",) if attack.newcomer else (),
-                    sponsors=honest if job["defence"] == "sponsors" else 0)
+                    sponsors=honest if job["defence"] == "sponsors" else 0, iid=job["iid"])
     adversaries = [Adversary(i, attack.hostile, factor=attack.factor, bounded=attack.bounded, track=attack.track,
-                             sleeper=attack.sleeper)
+                             sleeper=attack.sleeper, lag=attack.lag)
                    for i in range(honest, honest + trainers) if attack.hostile is not None]
     if "corpus" not in _CORPUS:
         _CORPUS["corpus"] = load_corpus(spec.data)
@@ -243,6 +249,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed+seeds-1")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--iid", action="store_true", help="every unit samples the whole training split (token data)")
     ap.add_argument("--no-volunteer", action="store_true", help="skip the late volunteer's measurement")
     ap.add_argument("--out", default="benchmarks/results/crowd/poison")
     args = ap.parse_args()
@@ -253,7 +260,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown attacks or defences: {unknown}")
     common = dict(preset=args.preset, peers=args.peers, inner_steps=args.inner_steps,
-                  steps_per_peer=args.steps_per_peer)
+                  steps_per_peer=args.steps_per_peer, iid=args.iid)
     cleans = sorted({baseline(a) for a in attacks})
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     jobs = [dict(common, crowd=0, attack=c, defence=d, seed=s) for c in cleans for d in defences for s in seeds]

@@ -278,7 +278,7 @@ class Replica:
     def relay(self) -> Relayed:
         """A sponsor's relayed work for its next update (`Sponsorship.relay`)."""
         with self.lock:
-            return self.standing.sponsorship.relay() if self.standing is not None else NOTHING
+            return self.standing.sponsorship.relay(self.theta) if self.standing is not None else NOTHING
 
     @delivers_bans
     def load(self, theta: Tensor, version_vector: VersionVector) -> list[UpdateLike]:

@@ -209,3 +209,37 @@ def test_a_sponsor_signs_the_weight_that_carries_a_graduates_work() -> None:
     own_out = torch.ones(8)
     moved = cfg.outer_lr * signed * (own_out * own_share + extra)
     torch.testing.assert_close(moved, cfg.outer_lr * 0.5 * own_out / 1.25 + relayed_step / 1.25)
+
+
+def test_a_sponsor_relays_nothing_along_thetas_recent_moves() -> None:
+    """An echo of what theta moved by over a sponsor's last phases points along the sponsors' work, so it is
+    judged useful; but that move is merged already, and relaying it moves theta along it a second time. The relay
+    keeps only what is orthogonal to each of the last ECHO moves (the span, so an echo of an offset window goes
+    too), and a proposal with nothing of the moves in it is relayed whole."""
+    s1 = sponsored_replica("s1")
+    g = torch.Generator().manual_seed(3)
+    assert s1.relay().step is None  # the first phase: theta's point the moves are measured from
+    points = [s1.theta.clone()]
+    for seq in (1, 2):
+        for sponsor in SPONSORS:
+            assert s1.offer(update(sponsor, seq, torch.randn(DIM, generator=g)))[0] is MergeOutcome.MERGED
+        points.append(s1.theta.clone())
+        if seq == 1:
+            assert s1.relay().step is None  # nothing proposed in that phase
+    moves = torch.stack([points[1] - points[2], points[0] - points[1]], dim=1)
+    echo = update("echo", 1, (points[0] - points[2]) / OUTER_LR)  # both phases' moves, echoed
+    fresh = torch.randn(DIM, generator=g)
+    q, _ = torch.linalg.qr(moves)
+    fresh -= q @ (q.T @ fresh)  # nothing of the moves in it
+    new = update("new", 1, fresh + 0.5 * (points[1] - points[2]) / OUTER_LR)
+    for u in (echo, new):
+        assert s1.offer(u)[0] is MergeOutcome.MERGED
+    step, vouches, _, _ = s1.relay()
+    values = dict(unpack_vouches(vouches))
+    assert values[key(echo)] > 0.1  # the judge of directions values it: it points along the sponsors' work
+    total = max(1.0, sum(values.values()))
+    whole = sum(values[key(u)] * OUTER_LR * torch.tensor(u.payload) for u in (echo, new)) / (len(SPONSORS) * total)
+    torch.testing.assert_close(step, whole - q @ (q.T @ whole), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(moves.T @ step, torch.zeros(2), rtol=0, atol=1e-5)  # nothing along either move
+    torch.testing.assert_close(step, values[key(new)] * OUTER_LR * fresh / (len(SPONSORS) * total), rtol=1e-4,
+                               atol=1e-6)  # what is left: the new work, whole
