@@ -7,7 +7,7 @@ proposal's step at the 4,096 sampled coordinates, compare it with this round's w
 over the payload, the axpy a merge at weight would have done; non-sponsors skip even that: a proposal merges at
 0). No forward pass. Per round a sponsor sees every other unit's update once: N - 1 of them, S - 1 of them
 sponsors'. Timed here: all of that for one round, every proposal useful (each one relayed: the worst case), plus
-`relay()` at the end; against H = 50 inner steps of one unit (`inner_step`, the spec's batch).
+`relay(theta)` at the end (which removes theta's last 2 moves from what it relays); against H = 50 inner steps of one unit (`inner_step`, the spec's batch).
 
     python benchmarks/bench_validation_cost.py --presets test,tiny,small --peers 4,16,64
 """
@@ -49,7 +49,8 @@ def round_compute_s(spec, steps: int) -> tuple[float, int]:  # noqa: ANN001
 
 
 def judging_round_s(numel: int, peers: int, repeats: int) -> float:
-    """One round at sponsor "s0": the other sponsors' updates and N - S proposals, then relay()."""
+    """One round at sponsor "s0": the other sponsors' updates and N - S proposals, then relay() (with theta: the
+    removal of its last moves from what it relays, sync/sponsorship.py `_fresh`)."""
     g = torch.Generator().manual_seed(0)
     direction = torch.randn(numel, generator=g)
     steps = [direction + torch.randn(numel, generator=g) for _ in range(peers)]  # distinct: none is a near copy
@@ -57,6 +58,7 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> float:
                         sponsors=tuple(f"s{i}" for i in range(SPONSORS)))
     sponsorship: Sponsorship = standing.sponsorship
     at = standing.copies.sample_at(numel)
+    theta = torch.zeros(numel)  # moved each round, so the relay's removal of the last moves has two to remove
     times = []
     for r in range(repeats + 1):
         sponsorship.merged("s0", r + 1, steps[0][at] * 1e-3, steps[0], 1e-3, at)  # its own, untimed
@@ -67,7 +69,8 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> float:
             step = steps[i]
             sample = Decoded.of(step).take(at) * 1e-3  # what Standing.sponsored_merge takes
             sponsorship.merged(author, r + 1, sample, step, 1e-3, at)
-        sponsorship.relay()
+        theta.sub_(steps[r % peers], alpha=1e-3)
+        sponsorship.relay(theta)
         if r:  # the first round fills the records
             times.append(time.perf_counter() - t0)
             judged = [sponsorship.judged[(f"v{i}", r + 1)][0] for i in range(SPONSORS, peers)]
