@@ -7,7 +7,8 @@ proposal's step at the 4,096 sampled coordinates, compare it with this round's w
 over the payload, the axpy a merge at weight would have done; non-sponsors skip even that: a proposal merges at
 0). No forward pass. Per round a sponsor sees every other unit's update once: N - 1 of them, S - 1 of them
 sponsors'. Timed here: all of that for one round, every proposal useful (each one relayed: the worst case), plus
-`relay(theta)` at the end (which removes theta's last 2 moves from what it relays); against H = 50 inner steps of one unit (`inner_step`, the spec's batch).
+`relay(theta)` at the end (which removes theta's last 2 moves from what it relays); against H = 50 inner steps of
+one unit (`inner_step`, the spec's batch).
 
     python benchmarks/bench_validation_cost.py --presets test,tiny,small --peers 4,16,64
 """
