@@ -180,8 +180,7 @@ class HostileSwarm(AsyncSwarm):
 
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         peer = super()._add_peer(speed, state)
-        intake = peer.intake
-        intake.replica.set_clock(lambda: self.queue.now)  # gap timeouts in simulated seconds
+        intake = peer.intake  # its replica dates gaps on the simulated clock (AsyncSwarm._add_peer)
         adversary = self.adversaries.get(peer.index)
         if adversary is not None:
             self._make_hostile(peer, adversary)

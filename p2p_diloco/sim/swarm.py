@@ -136,6 +136,9 @@ class AsyncSwarm:
         shard, shards, stream = (0, 1, f"unit{index}") if self.sim.iid else (self._shard_of(index), self.num_shards, "")
         learner = Learner(self.spec, identity, self.corpus, shard=shard, num_shards=shards, replica_state=state,
                           device=self.device, stream=stream)
+        # Gaps and standing are dated on the simulated clock: on the wall clock a loaded machine would time gaps
+        # out (defence.gap_timeout_s) that the simulated network fills soon after, and the run would differ.
+        learner.replica.set_clock(lambda: self.queue.now)
         exchange = MemoryExchange(self.net, learner.peer_id, self._view)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
                        speed=speed, store=UpdateStore(max_bytes=256 << 20), exchange=exchange,
