@@ -23,7 +23,9 @@ separate what the outer step gains in lockstep from what it gains under async ti
 adds more (a JSON list of {"name", "outer", "inner", "sim"} overrides) for the search that chose the default.
 
 Writes a JSON list of rows with `method`, `scenario`, `losses`, `median`, `worst`, `sync_median` (sync DiLoCo's
-median in the same scenario) and, for `slow`, `time_to_target_s`.
+median in the same scenario), `round_losses` / `round_median` / `round_worst` (the round view: the model without
+the round still under way, sync/round_view.py; a sync run is always at a complete round) and, for `slow`,
+`time_to_target_s`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def run_one(job: tuple) -> dict:
     sim = SimConfig(peers=4, total_steps=2000, method=method["sim"], timing_seed=timing_seed, **sim_over)
     result = simulate(spec, sim)
     return {"method": name, "scenario": scenario, "seed": seed, "loss": result.eval_loss,
+            "round_loss": result.round_loss,  # the model without the round under way (sync/round_view.py)
+            "tail_loss": result.tail_loss,
             "curve": [(p.time_s, p.tokens, p.loss) for p in result.curve]}
 
 
@@ -116,9 +120,14 @@ def summarize(results: list[dict], real: list[float]) -> list[dict]:
         runs.sort(key=lambda r: r["seed"])
         losses = [r["loss"] for r in runs]
         sync = [r["loss"] for r in by.get(("sync-diloco", scenario), [])]
+        rounds = [r["round_loss"] for r in runs if r.get("round_loss") is not None]
+        tails = [r["tail_loss"] for r in runs if r.get("tail_loss") is not None]
         rows.append({"method": name, "scenario": scenario, "seeds": [r["seed"] for r in runs], "losses": losses,
                      "median": statistics.median(losses), "worst": max(losses),
-                     "sync_median": statistics.median(sync) if sync else None})
+                     "sync_median": statistics.median(sync) if sync else None, "round_losses": rounds,
+                     "round_median": statistics.median(rounds) if rounds else None,
+                     "round_worst": max(rounds) if rounds else None,
+                     "tail_median": statistics.median(tails) if tails else None})
     slow = {r["method"]: r for r in results if r["scenario"] == "slow"}
     if "sync-diloco" in slow and "async-new" in slow:
         target = max(slow["sync-diloco"]["loss"], slow["async-new"]["loss"]) + 0.02
@@ -156,6 +165,8 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--candidates", help="JSON file: more methods [{name, outer, inner, sim (async)}]")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--iid", action="store_true",
+                    help="every unit samples the whole training split, its own stream (token data), not a shard each")
     ap.add_argument("--workdir", default="/tmp/async-timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "async_timing.json"))
     args = ap.parse_args()
@@ -164,7 +175,8 @@ def main() -> int:
         for c in json.loads(Path(args.candidates).read_text()):
             methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
                                   "inner": c.get("inner", {})}
-    scenarios = {"noise": NOISE, "orderly": ORDERLY, "slow": SLOW, "run-seeds": ORDERLY}
+    scenarios = {name: {**over, "iid": args.iid}
+                 for name, over in {"noise": NOISE, "orderly": ORDERLY, "slow": SLOW, "run-seeds": ORDERLY}.items()}
     jobs = []
     for scenario in args.scenarios.split(","):
         for name, method in methods.items():
@@ -177,7 +189,9 @@ def main() -> int:
     with ProcessPoolExecutor(args.workers) as pool:
         for r in pool.map(run_one, jobs):
             results.append(r)
-            print(f"{r['scenario']:8s} {r['method']:14s} seed {r['seed']}: {r['loss']:.4f}", flush=True)
+            rv = "-" if r["round_loss"] is None else f"{r['round_loss']:.4f}"
+            print(f"{r['scenario']:8s} {r['method']:14s} seed {r['seed']}: {r['loss']:.4f}  round view {rv}",
+                  flush=True)
     real = real_swarms(args.real, Path(args.workdir)) if args.real else []
     rows = summarize(results, real)
     print(table(rows))

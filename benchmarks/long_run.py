@@ -33,7 +33,7 @@ DEFAULT_METHODS = "async-new,sync-diloco,sync-new,data-parallel"
 
 
 def run_one(job: tuple) -> dict:
-    name, method, H, rounds, timing, seed = job
+    name, method, H, rounds, timing, seed, iid = job
     import torch
 
     torch.set_num_threads(1)
@@ -46,11 +46,13 @@ def run_one(job: tuple) -> dict:
         outer=dataclasses.replace(spec.outer, **method["outer"]))
     total = rounds * 4 * H
     over = NOISE if timing == "noise" else ORDERLY
-    sim = SimConfig(peers=4, total_steps=total, method=method["sim"], timing_seed=seed,
+    sim = SimConfig(peers=4, total_steps=total, method=method["sim"], timing_seed=seed, iid=iid,
                     eval_every_s=rounds * H * over["step_time_s"] / 25, **over)
     t0 = time.time()
     result = simulate(spec, sim)
     return {"method": name, "H": H, "rounds": rounds, "timing": timing, "seed": seed, "loss": result.eval_loss,
+            "round_loss": result.round_loss,  # the model without the round under way (sync/round_view.py)
+            "tail_loss": result.tail_loss, "iid": iid,
             "wall_s": time.time() - t0,
             "curve": [(p.tokens, p.loss) for p in result.curve]}
 
@@ -114,6 +116,8 @@ def main() -> int:
     ap.add_argument("--candidates", help="JSON file: more methods [{name, outer, inner, sim (async)}], as in "
                                          "async_timing.py; name them in --methods")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--iid", action="store_true",
+                    help="every unit samples the whole training split, its own stream (token data), not a shard each")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_run"))
     args = ap.parse_args()
     methods = dict(LONG_METHODS)
@@ -121,7 +125,7 @@ def main() -> int:
         for c in json.loads(Path(args.candidates).read_text()):
             methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
                                   "inner": c.get("inner", {})}
-    jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed))
+    jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed), args.iid)
             for seed in args.timing_seeds.split(",") for H in args.inner_steps.split(",")
             for name in args.methods.split(",")]
     print(f"# {time.strftime('%Y-%m-%d')} `{' '.join(sys.argv)}`", flush=True)
@@ -131,7 +135,9 @@ def main() -> int:
         dp = next((x["loss"] for x in results if x["H"] == r["H"] and x["method"] == "data-parallel"), None)
         r["vs_dp"] = r["loss"] / dp - 1 if dp else None
         vs = f"vs DP {r['vs_dp'] * 100:+.2f}%" if dp else ""
-        print(f"H={r['H']:>3} seed {r['seed']} {r['method']:17s} {r['loss']:.4f}  {vs}  ({r['wall_s']:.0f} s)")
+        rv, tv = ("-" if x is None else f"{x:.4f}" for x in (r["round_loss"], r["tail_loss"]))
+        print(f"H={r['H']:>3} seed {r['seed']} {r['method']:17s} {r['loss']:.4f}  round view {rv}  tail {tv}  {vs}  "
+              f"({r['wall_s']:.0f} s)")
     has_dp = any(r["method"] == "data-parallel" for r in results)
     trend = gap_trend(results) if has_dp else []
     for t in trend:

@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
-from p2p_diloco.sim.result import EvalPoint, PeerReport, Progress, SimResult, divergence
+from p2p_diloco.sim.result import TAIL_ROUNDS, EvalPoint, PeerReport, Progress, SimResult, divergence, eval_theta
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.train.data.corpus import Corpus, ShardSampler, eval_batches, evaluate
 from p2p_diloco.train.hardware.device import resolve_device
@@ -31,7 +33,10 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Pro
     n, H = sim.peers, spec.inner.inner_steps
     speeds = sim.speed_factors()
     device = resolve_device(sim.device)
-    learners = [Learner(spec, Identity.generate(), corpus, shard=i, num_shards=n, device=device) for i in range(n)]
+    # sim.iid: each unit its own stream over the whole split, as the async swarm's units (sim/swarm.py)
+    learners = [Learner(spec, Identity.generate(), corpus, device=device,
+                        **(dict(shard=0, num_shards=1, stream=f"unit{i}") if sim.iid else dict(shard=i, num_shards=n)))
+                for i in range(n)]
     intakes = [Intake(spec, lr.numel, lr.replica) for lr in learners]  # each peer's network side
     eval_set = _eval_set(spec, sim, corpus)
     bytes_per_s = sim.bandwidth_mbps * 1e6 / 8
@@ -42,7 +47,9 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Pro
     view = SwarmView(num_peers=n, samples_per_round=n * H * spec.data.batch_size)
     now, curve = 0.0, [EvalPoint(0.0, 0, learners[0].evaluate(eval_set))]
     eval_every = max(1, rounds // 20)
+    tail_states: deque[torch.Tensor] = deque(maxlen=TAIL_ROUNDS - 1)  # the rounds before the last: tail_loss
     for r in range(rounds):
+        tail_states.append(learners[0].replica.snapshot()[0])
         phases = [lr.begin_phase() for lr in learners]
         encoded = []
         for i, (learner, phase) in enumerate(zip(learners, phases)):
@@ -68,7 +75,11 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Pro
                         tokens=lr.step * tokens_per_step, utilization=compute_s[i] / now if now else 0.0,
                         taus=[h["tau"] for h in lr.history], eval_loss=losses[i], rejected=dict(intakes[i].counts))
              for i, lr in enumerate(learners)]
-    return SimResult(method="sync", eval_loss=sum(losses) / n, sim_time_s=now,
+    loss = sum(losses) / n
+    # before round 1 there is the initial theta, as in the async round view (a run shorter than its tail)
+    tail_states.extendleft([tail_states[0]] * (TAIL_ROUNDS - 1 - len(tail_states)))
+    tail = eval_theta(spec, torch.stack([*tail_states, thetas[0]]).mean(0), eval_set, device)
+    return SimResult(method="sync", eval_loss=loss, sim_time_s=now, round_loss=loss, tail_loss=tail,
                      tokens=rounds * n * H * tokens_per_step, divergence=divergence(thetas), curve=curve,
                      peers=peers, numel=learners[0].numel, theta=torch.stack(thetas).mean(0))
 

@@ -6,11 +6,22 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from p2p_diloco.train.data.corpus import evaluate
+from p2p_diloco.train.models.build import build_model, load_flat_params
+
+if TYPE_CHECKING:
+    from p2p_diloco.config import RunSpec
+
 Progress = Callable[[int, int, float | None], None]
 """A run's progress callback: (steps done, steps in all, the last train loss or None)."""
+
+
+TAIL_ROUNDS = 4
+"""Complete rounds `SimResult.tail_loss` averages over (BENCHMARKS "Async at parity": 4 of 100 at H=50)."""
 
 
 @dataclass
@@ -50,6 +61,12 @@ class SimResult:
     numel: int
     messages_lost: int = 0
     theta: torch.Tensor | None = None  # the mean replica, for callers that want to evaluate further
+    round_loss: float | None = None
+    """Eval loss of the round view (sync/round_view.py): the model without the round still under way. A
+    synchronous run is always at a complete round (its eval_loss); None where an async run has no round view."""
+    tail_loss: float | None = None
+    """Eval loss of the mean of the last TAIL_ROUNDS complete-round states (the round view averaged; for a
+    synchronous run, its last TAIL_ROUNDS round states): tail averaging, the same for both."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -84,3 +101,10 @@ def divergence(thetas: list[torch.Tensor]) -> float:
     mean = torch.stack(thetas).mean(0)
     norm = float(mean.norm()) or 1.0
     return max(float((t - mean).norm()) for t in thetas) / norm
+
+
+def eval_theta(spec: RunSpec, theta: torch.Tensor, batches: list, device: torch.device | str = "cpu") -> float:
+    """Eval loss of a flat theta on a model of its own (a view a learner does not hold: the round view)."""
+    model = build_model(spec.model, spec.seed).to(device)
+    load_flat_params(model, theta)
+    return evaluate(model, batches)

@@ -25,8 +25,9 @@ import torch
 from p2p_diloco.config import ConfigError, RunSpec, SimConfig
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
-from p2p_diloco.sim.result import EvalPoint, PeerReport, Progress, SimResult, divergence
+from p2p_diloco.sim.result import TAIL_ROUNDS, EvalPoint, PeerReport, Progress, SimResult, divergence, eval_theta
 from p2p_diloco.sync.intake import Intake
+from p2p_diloco.sync.round_view import round_view
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.types import UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
@@ -316,4 +317,10 @@ class AsyncSwarm:
         return SimResult(method="async", eval_loss=float(sum(losses) / len(losses)), sim_time_s=self.queue.now,
                          tokens=tokens, divergence=divergence(thetas), curve=self.curve, peers=reports,
                          messages_lost=self.net.messages_lost, numel=alive[0].learner.numel,
-                         theta=torch.stack(thetas).mean(0))
+                         theta=torch.stack(thetas).mean(0), round_loss=self._round_loss(alive[0], 1),
+                         tail_loss=self._round_loss(alive[0], TAIL_ROUNDS))
+
+    def _round_loss(self, peer: SimPeer, rounds: int) -> float | None:
+        """Eval loss of `peer`'s round view (sync/round_view.py) on a model of its own; None if it has none."""
+        view = round_view(peer.learner.replica, peer.store.get, rounds)
+        return None if view is None else eval_theta(self.spec, view[0], self.eval_set, self.device)

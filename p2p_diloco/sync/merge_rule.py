@@ -100,6 +100,22 @@ class MergeRule:
         slots.taken_back(update, vv, keep_slot=keep_slot)
         return True
 
+    def without(self, updates: list[tuple[UpdateLike, float]], slots: Slots) -> Tensor | None:
+        """theta as if these merged updates had merged with `share` less of their step, as a new tensor (the round
+        view: sync/round_view.py); None if one is not the one merged here or the aggregation is receiver-dependent.
+        theta is unchanged."""
+        if not self.policy.deterministic:
+            return None
+        view = Accumulator(self.sum.theta.clone())
+        for update, share in updates:
+            prepared = self.screen(update, None) if slots.holds(update) else None
+            if prepared is None or prepared.scaled is None:
+                return None
+            multiplier = slots.merged.multiplier(update.sender, update.seq) * share
+            if multiplier > 0:
+                view.add(prepared.scaled, factor=prepared.factor, multiplier=multiplier)
+        return view.theta
+
     def max_step(self) -> float:
         """Bound on how far one merge moves any coordinate of theta (outer_lr * max_weight * the policy's
         ceiling); inf when the RunSpec sets no bound."""

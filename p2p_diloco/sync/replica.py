@@ -104,12 +104,10 @@ class Replica:
         earned by contribution (sync/standing.py); None merges every update at its signed weight."""
         self._rule = MergeRule(theta, outer_lr=outer_lr, max_weight=max_weight, codec=codec, standing=standing)
         self.max_ids_per_sender = max_ids_per_sender
-        self.gap_timeout_s = math.inf
-        self.max_hole_span = 16
+        self.gap_timeout_s, self.max_hole_span = math.inf, 16
         self._clock: Callable[[], float] = time.monotonic  # dates gaps and merges (`set_clock`)
         self.lock = threading.RLock()
-        self.stats: dict[str, int] = {outcome.value: 0 for outcome in MergeOutcome}
-        self.stats.update(holes_skipped=0, late_merged=0)
+        self.stats: dict[str, int] = {**{o.value: 0 for o in MergeOutcome}, "holes_skipped": 0, "late_merged": 0}
         self.bans = Bans(self.lock)
         self._slots = Slots(self.bans, max_buffered=max_buffered, max_buffered_bytes=max_buffered_bytes,
                             max_sender_share=max_sender_share, max_ids_per_sender=max_ids_per_sender,
@@ -248,20 +246,18 @@ class Replica:
             return True
 
     def recent_ids(self, sender: str, seqs: Iterable[int]) -> list[bytes] | None:
-        """The update_ids merged here for `sender`'s `seqs`; None if one of them is not merged or its id is no
-        longer kept (gossip compares these with a peer's, to find slots where the two merged different
-        versions: an equivocation no version vector shows)."""
+        """The update_ids merged here for `sender`'s `seqs`; None if one is not merged or its id is no longer kept
+        (gossip compares them with a peer's, to find slots merged in different versions: no vector shows that)."""
         with self.lock:
             return self._slots.merged.recent(sender, seqs, self._slots.vv)
 
     def unmerge(self, update: UpdateLike, *, keep_slot: bool = False) -> bool:
         """Take back a merged update (rule 7): `theta += outer_lr * w * m * shape(decode(update))` and V loses
-        `(sender, seq)`. For the equivocation repair: of two signed versions of one slot, some replicas merged
-        one and some the other; each takes back the one it merged, so the slot is merged nowhere and the
-        replicas meet again. `keep_slot`: only its weight goes (m becomes 0), the slot stays merged: for a copy
-        found after it merged (`Standing.copies_found`). Only this exact update (by update_id) is taken back;
-        False if it is not the one merged here, or if the aggregation is receiver-dependent (centered_clip:
-        its shaping cannot be redone exactly, so that divergence is left to the repair)."""
+        `(sender, seq)`. For the equivocation repair: of two signed versions of one slot, each replica takes back
+        the one it merged, so the slot is merged nowhere and the replicas meet again. `keep_slot`: only its weight
+        goes (m becomes 0), the slot stays merged: for a copy found after it merged (`Standing.copies_found`). Only
+        this exact update (by update_id) is taken back; False if it is not the one merged here, or if the
+        aggregation is receiver-dependent (centered_clip: its shaping cannot be redone exactly; left to repair)."""
         with self.lock:
             if not self._rule.take_back(update, self._slots, keep_slot=keep_slot):
                 return False
@@ -274,6 +270,11 @@ class Replica:
         """tau since `base`; in a run with sponsors only theirs count: a proposal moves theta not at all."""
         s = self.standing
         return self.version_vector.staleness(base, s.sponsorship.sponsors if s and s.sponsorship.active else None)
+
+    def theta_without(self, updates: list[tuple[UpdateLike, float]]) -> Tensor | None:
+        """theta with (update, share) less of these merged steps, a new tensor (`MergeRule.without`: round view)."""
+        with self.lock:
+            return self._rule.without(updates, self._slots)
 
     def relay(self) -> Relayed:
         """A sponsor's relayed work for its next update (`Sponsorship.relay`)."""
@@ -296,9 +297,8 @@ class Replica:
         return merged
 
     def max_step(self) -> float:
-        """Bound on how far one merge moves any coordinate of theta (outer_lr * max_weight * the policy's
-        ceiling); inf when the RunSpec sets no bound. Two replicas whose merged sets differ by d updates
-        differ by at most d times this in every coordinate (the repair checks a peer's state against it)."""
+        """Bound on how far one merge moves any coordinate of theta (outer_lr * max_weight * the policy's ceiling;
+        inf if unbounded). Replicas whose merged sets differ by d updates differ by at most d times this (repair)."""
         return self._rule.max_step()
 
     @delivers_bans

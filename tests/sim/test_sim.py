@@ -130,3 +130,25 @@ def test_iid_units_draw_their_own_streams_from_the_whole_split(corpus):
     iid, sharded = first_batches(True), first_batches(False)
     assert not any(torch.equal(a, b) for i, a in enumerate(iid) for b in iid[i + 1:])  # a stream each
     assert not torch.equal(iid[0], sharded[0])
+    # the synchronous baseline reads the same streams, so the two compare on the same data
+    sync = SimConfig(peers=2, method="sync", total_steps=2 * 20, eval_batches=1)
+    on_iid, on_shards = (simulate(SPEC, dataclasses.replace(sync, iid=flag), corpus) for flag in (True, False))
+    assert on_iid.eval_loss != on_shards.eval_loss and on_iid.curve[0].loss - on_iid.eval_loss > 0.3
+
+
+def test_the_round_view_leaves_out_the_round_under_way(corpus):
+    """A unit at half speed: under the swarm's token budget the fast one makes 4 phases, the slow one 2. The round
+    view (sync/round_view.py) is the model without the fast unit's last 2 updates; with a complete round it is the
+    model itself, and a synchronous run is always at one."""
+    base = SimConfig(peers=2, total_steps=2 * 20 * 3, speeds=("1", "0.5"), eval_batches=2)
+    uneven = simulate(SPEC, base, corpus)
+    assert sorted(p.steps for p in uneven.peers) == [40, 80]
+    assert uneven.round_loss is not None and abs(uneven.round_loss - uneven.eval_loss) > 1e-3
+    even = simulate(SPEC, dataclasses.replace(base, speeds=("1", "1")), corpus)
+    assert [p.steps for p in even.peers] == [60, 60]
+    assert even.round_loss == pytest.approx(even.eval_loss, abs=1e-5)
+    sync = simulate(SPEC, dataclasses.replace(base, method="sync"), corpus)
+    assert sync.round_loss == sync.eval_loss
+    # tail averaging over the last complete rounds, on both sides
+    for result in (uneven, even, sync):
+        assert result.tail_loss is not None and abs(result.tail_loss - result.eval_loss) > 1e-4
