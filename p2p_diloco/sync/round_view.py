@@ -1,4 +1,4 @@
-"""The round view: theta at the last complete rounds a replica holds, the model to evaluate and export.
+"""The round view: theta at the last complete rounds a replica holds, what an async run is measured at beside theta.
 
 Why: when every unit trains on data of its own, one unit's outer update pulls theta towards that data. Merged alone,
 as an async replica merges, it moves the eval loss by up to 10% even at the end of a 100-round run, and the next
@@ -13,6 +13,10 @@ averaged): an update of seq q, k-R+1 < q <= k, is missing from the q-k+R-1 avera
 that merged only those sets, whatever the order: two replicas that hold the same updates have the same view. Units
 far behind (slower, or joined late) are kept whole: waiting for them would hold the view back by their pace. The
 view never has more tokens than theta. theta itself, what trains and what is served, is unchanged.
+
+A measurement (the simulator's `SimResult.round_loss` / `tail_loss`), not the model a peer exports: when the counts
+at the front differ, the cut is not causally consistent (an update trained on a base that held another unit's
+newest updates stays, while those are taken back), and on one timing seed of three it was worse than theta.
 """
 
 from __future__ import annotations
