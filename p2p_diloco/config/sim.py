@@ -75,6 +75,11 @@ class SimConfig:
         self.joins()
         return self
 
+    def unit_data(self, index: int, shard: int, num_shards: int) -> tuple[int, int, str]:
+        """(shard, num_shards, stream) for unit `index`'s Learner, the same for every method: with `iid` the whole
+        split in a stream of its own, else file `shard` of `num_shards`."""
+        return (0, 1, f"unit{index}") if self.iid else (shard, num_shards, "")
+
     def speed_factors(self) -> list[float]:
         try:
             given = [float(s) for s in self.speeds]

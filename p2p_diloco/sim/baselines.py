@@ -33,10 +33,11 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Pro
     n, H = sim.peers, spec.inner.inner_steps
     speeds = sim.speed_factors()
     device = resolve_device(sim.device)
-    # sim.iid: each unit its own stream over the whole split, as the async swarm's units (sim/swarm.py)
-    learners = [Learner(spec, Identity.generate(), corpus, device=device,
-                        **(dict(shard=0, num_shards=1, stream=f"unit{i}") if sim.iid else dict(shard=i, num_shards=n)))
-                for i in range(n)]
+    learners = []
+    for i in range(n):  # each unit reads what the async swarm's unit i reads (`SimConfig.unit_data`)
+        shard, shards, stream = sim.unit_data(i, i, n)
+        learners.append(Learner(spec, Identity.generate(), corpus, shard=shard, num_shards=shards, stream=stream,
+                                device=device))
     intakes = [Intake(spec, lr.numel, lr.replica) for lr in learners]  # each peer's network side
     eval_set = _eval_set(spec, sim, corpus)
     bytes_per_s = sim.bandwidth_mbps * 1e6 / 8

@@ -134,7 +134,7 @@ class AsyncSwarm:
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         index = len(self.peers)
         identity = self.founders[index] if index < len(self.founders) else Identity.generate()
-        shard, shards, stream = (0, 1, f"unit{index}") if self.sim.iid else (self._shard_of(index), self.num_shards, "")
+        shard, shards, stream = self.sim.unit_data(index, self._shard_of(index), self.num_shards)
         learner = Learner(self.spec, identity, self.corpus, shard=shard, num_shards=shards, replica_state=state,
                           device=self.device, stream=stream)
         # Gaps and standing are dated on the simulated clock: on the wall clock a loaded machine would time gaps

@@ -88,15 +88,15 @@ class MergeRule:
             logger.warning("cannot take back an update under a receiver-dependent aggregation sender=%s "
                            "seq=%d", update.sender, update.seq)
             return False
-        prepared = self.screen(update, None)  # it passed every check when it merged, identically now
-        if prepared.scaled is None:
+        merged = self._merged_step(update, slots)
+        if merged is None:
             return False
         vv = slots.vv
         if not keep_slot:
             vv = vv.without(update.sender, update.seq)  # may raise: before theta changes
-        multiplier = slots.merged.multiplier(update.sender, update.seq)  # the weight it earned when merged
+        step, factor, multiplier = merged
         if multiplier > 0:
-            self.sum.add(prepared.scaled, factor=prepared.factor, multiplier=multiplier)
+            self.sum.add(step, factor=factor, multiplier=multiplier)
         slots.taken_back(update, vv, keep_slot=keep_slot)
         return True
 
@@ -108,13 +108,23 @@ class MergeRule:
             return None
         view = Accumulator(self.sum.theta.clone())
         for update, share in updates:
-            prepared = self.screen(update, None) if slots.holds(update) else None
-            if prepared is None or prepared.scaled is None:
+            merged = self._merged_step(update, slots)
+            if merged is None:
                 return None
-            multiplier = slots.merged.multiplier(update.sender, update.seq) * share
-            if multiplier > 0:
-                view.add(prepared.scaled, factor=prepared.factor, multiplier=multiplier)
+            step, factor, multiplier = merged
+            if multiplier * share > 0:
+                view.add(step, factor=factor, multiplier=multiplier * share)
         return view.theta
+
+    def _merged_step(self, update: UpdateLike, slots: Slots) -> tuple[Decoded, float, float] | None:
+        """(step, factor, multiplier) this exact update (by update_id) merged with here, screened again (it passed
+        every check when it merged, identically now); None if it is not the one merged here."""
+        if not slots.holds(update):
+            return None
+        prepared = self.screen(update, None)
+        if prepared.scaled is None:
+            return None
+        return prepared.scaled, prepared.factor, slots.merged.multiplier(update.sender, update.seq)
 
     def max_step(self) -> float:
         """Bound on how far one merge moves any coordinate of theta (outer_lr * max_weight * the policy's

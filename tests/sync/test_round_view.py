@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.sync.round_view import round_cut, round_view
+from p2p_diloco.sync.round_view import SLACK, round_cut, round_view
 from p2p_diloco.sync.version_vector import VersionVector
 from tests.helpers.fakes import FakeUpdate
 from tests.sync.test_replica import SENDERS, make, reference, replica
@@ -92,7 +92,7 @@ def test_the_averaged_view_is_the_mean_of_the_complete_rounds(data: st.DataObjec
     assert view is not None
     vv = r.version_vector
     top = max(vv.values())
-    front = {s for s in vv if vv[s] >= top - 2}
+    front = {s for s in vv if vv[s] >= top - SLACK}
     k = min(vv[s] for s in front)
     states = [reference([u for u in updates if u.sender not in front or u.seq <= j]) for j in range(k, k - rounds, -1)]
     assert torch.allclose(view[0], torch.stack(states).mean(0), rtol=1e-5, atol=1e-5)
