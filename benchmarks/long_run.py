@@ -47,12 +47,13 @@ def run_one(job: tuple) -> dict:
     total = rounds * 4 * H
     over = NOISE if timing == "noise" else ORDERLY
     sim = SimConfig(peers=4, total_steps=total, method=method["sim"], timing_seed=seed, iid=iid,
-                    eval_every_s=rounds * H * over["step_time_s"] / 25, **over)
+                    eval_every_s=rounds * H * over["step_time_s"] / 25, grace=method.get("grace", 0.0), **over)
     t0 = time.time()
     result = simulate(spec, sim)
     return {"method": name, "H": H, "rounds": rounds, "timing": timing, "seed": seed, "loss": result.eval_loss,
             "round_loss": result.round_loss,  # the model without the round under way (sync/round_view.py)
             "tail_loss": result.tail_loss, "iid": iid,
+            "utilization": sum(p.utilization for p in result.peers) / len(result.peers),
             "wall_s": time.time() - t0,
             "curve": [(p.tokens, p.loss) for p in result.curve]}
 
@@ -124,7 +125,7 @@ def main() -> int:
     if args.candidates:
         for c in json.loads(Path(args.candidates).read_text()):
             methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
-                                  "inner": c.get("inner", {})}
+                                  "inner": c.get("inner", {}), "grace": c.get("grace", 0.0)}
     jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed), args.iid)
             for seed in args.timing_seeds.split(",") for H in args.inner_steps.split(",")
             for name in args.methods.split(",")]
@@ -137,7 +138,7 @@ def main() -> int:
         vs = f"vs DP {r['vs_dp'] * 100:+.2f}%" if dp else ""
         rv, tv = ("-" if x is None else f"{x:.4f}" for x in (r["round_loss"], r["tail_loss"]))
         print(f"H={r['H']:>3} seed {r['seed']} {r['method']:17s} {r['loss']:.4f}  round view {rv}  tail {tv}  {vs}  "
-              f"({r['wall_s']:.0f} s)")
+              f"utilization {r['utilization']:.0%} ({r['wall_s']:.0f} s)")
     has_dp = any(r["method"] == "data-parallel" for r in results)
     trend = gap_trend(results) if has_dp else []
     for t in trend:

@@ -71,6 +71,11 @@ class TrainingConfig:
     """Own updates held by no live peer yet at which a phase is stretched (see max_stretch). Not 1 or 2: the
     remotes' vectors we judge by can be a phase old, so a healthy link can read 1-2 (a slow one reads dozens)."""
 
+    grace: float = 0.0
+    """After each round, wait at most this share of the phase just done for the other units' updates of the round
+    (those one update short of ours; train/grace.py): what async pays for its timing shrinks, for that idle time.
+    0: never wait."""
+
     def validate(self) -> TrainingConfig:
         require(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")
         require(-1 <= self.shard < self.num_shards, f"shard must be in [0, {self.num_shards}) or -1, got {self.shard}")
@@ -86,6 +91,7 @@ class TrainingConfig:
         require(self.parallel in ("ddp", "fsdp"), f"parallel must be ddp or fsdp, got {self.parallel!r}")
         require(1 <= self.max_stretch <= 64, f"max_stretch must be in [1, 64], got {self.max_stretch}")
         require(self.stretch_backlog >= 1, f"stretch_backlog must be >= 1, got {self.stretch_backlog}")
+        require(0 <= self.grace <= 4, f"grace must be in [0, 4], got {self.grace}")
         return self
 
 

@@ -48,6 +48,9 @@ class SimConfig:
     iid: bool = False
     """Every unit samples the whole training split, each its own stream (as units reading a token dataset do),
     instead of a file shard each."""
+    grace: float = 0.0
+    """Async units wait after each round, at most this share of the phase, for the round's other updates
+    (train/grace.py; the join config's `grace`)."""
     eval_every_s: float = 0.0
     """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
     eval_batches: int = 8
@@ -68,6 +71,7 @@ class SimConfig:
         require(self.start_spread_s >= 0, f"start_spread_s must be >= 0, got {self.start_spread_s}")
         require(0 <= self.phase_jitter < 1, f"phase_jitter must be in [0, 1), got {self.phase_jitter}")
         require(0 <= self.sponsors <= self.peers, f"sponsors must be in [0, peers], got {self.sponsors}")
+        require(0 <= self.grace <= 4, f"grace must be in [0, 4], got {self.grace}")
         require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
         speeds = self.speed_factors()
         require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")

@@ -55,7 +55,7 @@ from p2p_diloco.train.hardware.compute import Compute
 from p2p_diloco.train.hardware.unit import unit_device
 from p2p_diloco.train.hardware.units import unit_from_env
 from p2p_diloco.train.learner import Learner
-from p2p_diloco.train.loop import RoundDone, Schedule, rounds
+from p2p_diloco.train.loop import GRACE_POLL_S, GraceWait, RoundDone, Schedule, rounds
 from p2p_diloco.wire.identity import Identity
 
 # Heavy at import time (torch, hivemind): only `join` imports this module, once its options are known to be good.
@@ -208,7 +208,7 @@ class Peer:
         schedule = Schedule(rounds=cfg.rounds, eval_every=cfg.eval_every,
                             checkpoint_every=self.config.checkpoint.every if self.checkpoints else 0,
                             finish_phase_within_s=cfg.finish_phase_within_s, max_stretch=cfg.max_stretch,
-                            stretch_backlog=cfg.stretch_backlog)
+                            stretch_backlog=cfg.stretch_backlog, grace=cfg.grace)
         report.training_begins(self.round)
         resync = self._open_resync(network, learner)
         ticks = rounds(learner, self.exchange, schedule, report, start_round=self.round, stop=self.stop,
@@ -220,6 +220,9 @@ class Peer:
                 except StopIteration as end:
                     ended = end.value
                     break
+                if isinstance(tick, GraceWait):  # the round's other updates are due: a moment, then look again
+                    self.stop.wait(GRACE_POLL_S)
+                    continue
                 self.progress.tick(tick)
                 if isinstance(tick, RoundDone) and self.status is not None:
                     self.status.round_done(report.last)  # the page's history of our rounds

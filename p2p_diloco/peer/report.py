@@ -102,7 +102,7 @@ class PeerReport(Hooks):
         self.last = {
             "round": done.round, "step": learner.step, "loss": done.result.mean_loss, "eval_loss": done.eval_loss,
             "peers": done.view.num_peers, "tau": update.header.tau, "weight": update.header.weight, "seq": update.seq,
-            "stretch": done.stretch,
+            "stretch": done.stretch, "waited_s": done.waited_s,
             "vv_total": vv.total(), "bytes_sent": counters.get("bytes_sent", 0),
             "bytes_received": counters.get("bytes_received", 0), "merged": counters.get("merged", 0),
             "rejected": counters.get("rejected", 0), "samples_per_s": done.samples_per_s, "round_s": done.round_s,

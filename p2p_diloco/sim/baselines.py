@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
 import torch
@@ -49,6 +50,7 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Pro
     now, curve = 0.0, [EvalPoint(0.0, 0, learners[0].evaluate(eval_set))]
     eval_every = max(1, rounds // 20)
     tail_states: deque[torch.Tensor] = deque(maxlen=TAIL_ROUNDS - 1)  # the rounds before the last: tail_loss
+    timing = random.Random(f"{spec.seed}/{sim.timing_seed}")  # the async swarm's timing noise, drawn alike
     for r in range(rounds):
         tail_states.append(learners[0].replica.snapshot()[0])
         phases = [lr.begin_phase() for lr in learners]
@@ -63,8 +65,7 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Pro
                 if i != j:
                     intake.receive(data)
             bytes_sent[i] += (n - 1) * len(encoded[i])
-        slowest = max(H * sim.step_time_s / s for s in speeds)
-        now += slowest + sim.latency_s + (n - 1) * len(encoded[0]) / bytes_per_s
+        now += _sync_round_s(sim, H, speeds, timing) + (n - 1) * len(encoded[0]) / bytes_per_s
         done = (r + 1) * n * H
         if progress:
             progress(done, sim.total_steps, None)
@@ -83,6 +84,17 @@ def run_sync_diloco(spec: RunSpec, sim: SimConfig, corpus: Corpus, progress: Pro
     return SimResult(method="sync", eval_loss=loss, sim_time_s=now, round_loss=loss, tail_loss=tail,
                      tokens=rounds * n * H * tokens_per_step, divergence=divergence(thetas), curve=curve,
                      peers=peers, numel=learners[0].numel, theta=torch.stack(thetas).mean(0))
+
+
+def _sync_round_s(sim: SimConfig, H: int, speeds: list[float], timing: random.Random) -> float:
+    """One synchronous round on the clock: the slowest unit's phase, then the last update's arrival. Under the
+    async swarm's timing noise (phase jitter, latency jitter) the barrier waits for the worst of each. (The start
+    spread is not charged: the async swarm counts each unit's time from its own start too.)"""
+    jitter = sim.phase_jitter
+    phases = [H * sim.step_time_s / s * (1 + (timing.uniform(-jitter, jitter) if jitter else 0.0)) for s in speeds]
+    latency = sim.latency_s + max((timing.uniform(0.0, sim.latency_jitter_s) if sim.latency_jitter_s else 0.0)
+                                  for _ in speeds)
+    return max(phases) + latency
 
 
 def run_data_parallel(spec: RunSpec, sim: SimConfig, corpus: Corpus,

@@ -43,6 +43,7 @@ class PeerReport:
     taus: list[int]
     eval_loss: float | None
     rejected: dict[str, int] = field(default_factory=dict)
+    waits: list[float] = field(default_factory=list)  # each grace window's length, simulated seconds (async)
 
     @property
     def bytes_per_token(self) -> float:

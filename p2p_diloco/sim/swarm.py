@@ -34,7 +34,7 @@ from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data.corpus import Corpus, eval_batches
 from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.learner import Learner, SwarmView
-from p2p_diloco.train.loop import Hooks, PhaseBegun, RoundDone, Schedule, Tick, rounds
+from p2p_diloco.train.loop import GraceWait, Hooks, PhaseBegun, RoundDone, Schedule, Tick, rounds
 from p2p_diloco.train.phase import Phase
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 from p2p_diloco.wire.identity import Identity
@@ -61,7 +61,9 @@ class SimPeer:
     exchange: MemoryExchange
     ticks: Generator[Tick, None, str]  # its round loop, advanced on the simulated clock
     alive: bool = True
-    busy: bool = False  # inside an inner phase
+    busy: bool = False  # inside an inner phase, or between two in the grace window
+    waiting_until: float | None = None  # between rounds, in the grace window (train/grace.py) until then
+    waits: list[float] = field(default_factory=list)  # how long each grace window lasted
     phase: Phase | None = None
     phase_started: float = 0.0
     step_s: float = 1.0  # simulated seconds per inner step in the current phase (speed and jitter)
@@ -87,6 +89,9 @@ class TokenBudget(Hooks):
             return False
         self.swarm.steps_started += H
         return True
+
+    def now(self) -> float:
+        return self.swarm.queue.now
 
 
 class AsyncSwarm:
@@ -143,7 +148,8 @@ class AsyncSwarm:
         exchange = MemoryExchange(self.net, learner.peer_id, self._view)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
                        speed=speed, store=UpdateStore(max_bytes=256 << 20), exchange=exchange,
-                       ticks=rounds(learner, exchange, Schedule(), TokenBudget(self)), joined_at=self.queue.now)
+                       ticks=rounds(learner, exchange, Schedule(grace=self.sim.grace), TokenBudget(self)),
+                       joined_at=self.queue.now)
         peer.intake.attach_store(peer.store)  # as the gossip does: take-backs look updates up there
         self.peers.append(peer)
         self.net.attach(learner.peer_id, lambda data, src: self._receive(peer, data))
@@ -157,17 +163,28 @@ class AsyncSwarm:
         return SwarmView(num_peers=n, samples_per_round=n * self.spec.inner.inner_steps * self.spec.data.batch_size)
 
     def _receive(self, peer: SimPeer, data: bytes) -> None:
-        if peer.busy:
+        if peer.busy and peer.waiting_until is None:
             self._advance(peer)
         outcome, update = peer.intake.receive(data)
         if update is not None and outcome in ("merged", "buffered"):
             peer.store.add(update)
             peer.held_since[(update.sender, update.seq)] = self.queue.now
+            if peer.waiting_until is not None:  # in the grace window: was this what it waited for?
+                self._start_phase(peer)
 
     # ---- the round loop on the simulated clock ------------------------------------------------------
 
     def _start_phase(self, peer: SimPeer) -> None:
         tick = next(peer.ticks, None) if peer.alive else None  # the loop: the budget (admit), then begin_phase
+        if isinstance(tick, GraceWait):  # looked at again when an update lands, and at the window's end
+            if peer.waiting_until != tick.until:
+                self.queue.push(tick.until, self._grace_over, peer, peer.incarnation)
+                peer.waits.append(self.queue.now)  # (its start; its length once it ends)
+            peer.waiting_until = tick.until
+            return
+        if peer.waiting_until is not None:
+            peer.waits[-1] = self.queue.now - peer.waits[-1]
+            peer.waiting_until = None
         if not isinstance(tick, PhaseBegun):  # crashed, or the budget is spent: the loop has ended
             if peer.busy and peer.alive:
                 peer.done_at = self.queue.now
@@ -180,6 +197,10 @@ class AsyncSwarm:
         noise = self.timing_rng.uniform(-jitter, jitter) if jitter else 0.0
         peer.step_s = self.sim.step_time_s / peer.speed * (1 + noise)
         self.queue.push(self.queue.now + self._phase_s(peer), self._end_phase, peer, peer.incarnation)
+
+    def _grace_over(self, peer: SimPeer, incarnation: int) -> None:
+        if peer.alive and incarnation == peer.incarnation and peer.waiting_until is not None:
+            self._start_phase(peer)
 
     def _late_start(self, peer: SimPeer) -> None:
         """A peer that arrives after the others (start_spread_s): its lifetime begins now."""
@@ -246,7 +267,7 @@ class AsyncSwarm:
         peer = self.peers[index]
         if not peer.alive:
             return
-        peer.alive, peer.busy, peer.left_at = False, False, self.queue.now
+        peer.alive, peer.busy, peer.left_at, peer.waiting_until = False, False, self.queue.now, None
         peer.incarnation += 1
         peer.ticks.close()  # its phase is lost, as on a real machine
         self.net.detach(peer.learner.peer_id)
@@ -311,7 +332,7 @@ class AsyncSwarm:
                 index=p.index, peer_id=p.learner.peer_id, alive=p.alive, steps=p.learner.step,
                 bytes_sent=self.net.bytes_sent[p.learner.peer_id],
                 tokens=p.learner.step * self.spec.data.batch_size * self.spec.model.block_size,
-                utilization=p.compute_s / lifetime if lifetime > 0 else 0.0, taus=p.taus,
+                utilization=p.compute_s / lifetime if lifetime > 0 else 0.0, taus=p.taus, waits=p.waits,
                 eval_loss=final.get(p.index),
                 rejected=dict(p.intake.counts)))
         return SimResult(method="async", eval_loss=float(sum(losses) / len(losses)), sim_time_s=self.queue.now,

@@ -41,6 +41,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from p2p_diloco.train.grace import awaited
 from p2p_diloco.train.hardware.host_heap import trim_free_heap
 
 if TYPE_CHECKING:  # light at import time (the peer process imports this before torch is needed)
@@ -70,6 +71,9 @@ class Schedule:
     """A phase is stretched to at most this many times H steps while our own updates back up (1: never)."""
     stretch_backlog: int = 3
     """Stretch when at least this many of our published updates are held by no live peer yet."""
+    grace: float = 0.0
+    """After each round, wait at most this share of the phase just done for the round's other updates
+    (train/grace.py; 0: never wait)."""
 
 
 class Hooks:
@@ -96,6 +100,10 @@ class Hooks:
 
     def say(self, line: str) -> None:
         """A line for the person running this (why a phase was dropped or finished early)."""
+
+    def now(self) -> float:
+        """The clock the grace window is timed on (the simulator's: its simulated one)."""
+        return time.monotonic()
 
 
 @dataclass
@@ -132,9 +140,23 @@ class RoundDone:
     samples_per_s: float
     eval_loss: float | None  # evaluated after this round, else None
     stretch: int = 1  # the phase ran stretch * H inner steps (1: not stretched)
+    waited_s: float = 0.0  # the grace window before its phase (train/grace.py), on `Hooks.now`'s clock
 
 
-Tick = PhaseBegun | StepDone | PhaseStretched | RoundDone  # (what `rounds` yields)
+GRACE_POLL_S = 0.02
+"""How often a waiting real peer looks at its replica again (a version vector read)."""
+
+
+@dataclass
+class GraceWait:
+    """Between rounds: the loop waits for these authors' next updates until `until` (on `Hooks.now`). The caller
+    lets time pass before the next `next()` (a real peer sleeps a moment; the simulator until an update lands)."""
+
+    authors: list[str]
+    until: float
+
+
+Tick = PhaseBegun | StepDone | PhaseStretched | RoundDone | GraceWait  # (what `rounds` yields)
 
 
 def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hooks | None = None, *,
@@ -151,14 +173,19 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
     finish = finish or threading.Event()
     H = learner.spec.inner.inner_steps
     round_ = start_round
+    until = 0.0  # the grace window's end (none before the first round)
     hooks.evaluate(0)  # the starting point (logged as round 0, even after a restore)
     while not stop.is_set() and (schedule.rounds == 0 or round_ < schedule.rounds):
         if finish.is_set():
             return "finish"
         if not hooks.admit():
             return "admit"
+        waited_s = yield from _grace(learner, hooks, until, stop, finish)  # the last round's other updates, a moment
+        if stop.is_set() or finish.is_set():  # (asked for while waiting)
+            continue
         trim_free_heap()  # what the last round's outer step, evaluation and checkpoint freed, back to the system
         phase = learner.begin_phase()
+        began = hooks.now()  # (before the yield: a simulator resumes the loop only at a later moment)
         yield PhaseBegun(phase)
         t0 = time.monotonic()
         finish_anyway: bool | None = None
@@ -188,13 +215,15 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
         trim_free_heap()
         update = learner.finish_phase(phase, result, view)  # pseudo-gradient, outer step, encode, sign, merge
         exchange.publish(update)  # returns at once: the network spreads it
+        ended_at = hooks.now()
+        until = ended_at + schedule.grace * (ended_at - began)  # timed from here: evaluating is waiting too
         round_ += 1
         round_s = time.monotonic() - t0
         evaluated = schedule.eval_every and round_ % schedule.eval_every == 0
         eval_loss = hooks.evaluate(round_) if evaluated else None
         done = RoundDone(round=round_, update=update, result=result, view=view, round_s=round_s,
                          samples_per_s=result.samples / max(round_s, 1e-9), eval_loss=eval_loss,
-                         stretch=phase.target_steps // H)
+                         stretch=phase.target_steps // H, waited_s=waited_s)
         hooks.round_done(done)
         if schedule.checkpoint_every and round_ % schedule.checkpoint_every == 0:
             hooks.checkpoint(round_)
@@ -203,6 +232,19 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
         # whole next phase, a byte per parameter, until the next update rebinds the name.
         del update, done
     return "stop" if stop.is_set() else "rounds"
+
+
+def _grace(learner: Learner, hooks: Hooks, until: float, stop: threading.Event, finish: threading.Event,
+           ) -> Generator[GraceWait, None, float]:
+    """Wait (yielding) for the awaited authors' next updates until `until` (train/grace.py); how long it waited."""
+    began = None
+    while hooks.now() < until and not (stop.is_set() or finish.is_set()):
+        authors = awaited(learner.replica.version_vector, learner.peer_id)
+        if not authors:
+            break
+        began = hooks.now() if began is None else began
+        yield GraceWait(authors, until)
+    return 0.0 if began is None else hooks.now() - began
 
 
 def _stretch_backlog(learner: Learner, exchange: Exchange, schedule: Schedule, phase: Phase, H: int,
@@ -235,9 +277,11 @@ def drive(ticks: Generator[Tick, None, str]) -> str:
     """Run a loop to its end; returns why it ended (see `rounds`)."""
     while True:
         try:
-            next(ticks)
+            tick = next(ticks)
         except StopIteration as end:
             return end.value
+        if isinstance(tick, GraceWait):
+            time.sleep(GRACE_POLL_S)
 
 
 def run_rounds(learner: Learner, exchange: Exchange, n: int = 1, hooks: Hooks | None = None) -> list[RoundDone]:

@@ -2,11 +2,11 @@
 
 One scripted scenario (module fixture) plays the main story once and the tests read its logs:
 
-    bootstrap; peers A, B, C train until told to finish; peer V trains until it is SIGKILLed (with its DHT
-    process and p2pd: a crash) right after its 2nd round; peer J joins once A has a round, syncs state,
-    trains 3 rounds and gets a SIGINT (Ctrl-C) while the others still train; `status` runs (and ends) while
-    all of them train, before the joiner leaves; then A, B, C get SIGUSR1 (finish the current round, linger
-    until quiet, exit) and their final replicas are compared.
+    bootstrap; peers A, B, C train until told to finish (A with a grace window); peer V trains until it is
+    SIGKILLed (with its DHT process and p2pd: a crash) right after its 2nd round; peer J joins once A has a
+    round, syncs state, trains 3 rounds and gets a SIGINT (Ctrl-C) while the others still train; `status` runs
+    (and ends) while all of them train, before the joiner leaves; then A, B, C get SIGUSR1 (finish the current
+    round, linger until quiet, exit) and their final replicas are compared.
 
 Every wait is on a condition (a log line, a JSON log entry, an exit) with a timeout; every process is
 killed in `finally` (Launcher). The test model is tiny (120k parameters, H=10): rounds take well under a
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 NICE = 10
 START_S = 90  # start-up of one process (imports, corpus, DHT) on a loaded 2-core machine, with margin
 MAX_ROUND_GAP_S = 10.0  # gossip's rpc_timeout_s: no peer may stall longer than a network timeout
+GRACE = ("--training.grace", "0.5")  # A waits after each round, up to half a phase, for the others' (train/grace.py)
 
 
 @dataclass
@@ -53,7 +54,8 @@ def scenario(tmp_path_factory) -> Scenario:
     workdir = tmp_path_factory.mktemp("swarm")
     with Launcher(workdir) as launcher:
         boot, bootstrap = launcher.bootstrap()
-        main = [launcher.peer(name, bootstrap, rounds=0, linger_s=120, nice=NICE) for name in ("A", "B", "C")]
+        main = [launcher.peer(name, bootstrap, *(GRACE if name == "A" else ()), rounds=0, linger_s=120, nice=NICE)
+                for name in ("A", "B", "C")]
         victim = launcher.peer("V", bootstrap, rounds=0, nice=NICE)
         s = Scenario(workdir, boot, bootstrap, main, victim, joiner=None)  # type: ignore[arg-type]
 
@@ -155,6 +157,18 @@ def test_killed_peer_does_not_stall_the_others(scenario: Scenario) -> None:
         # whatever of the victim's updates survived, the survivors agree on it (checked above: equal digests)
         _, vv = proc.state()
         assert vv["version_vector"].get(vid, 0) <= len(scenario.victim.rounds()) + 1
+
+
+def test_a_grace_window_waits_at_most_its_share_of_a_phase(scenario: Scenario) -> None:
+    # A waits when it finishes a round before another peer (one of the others is then one update short of it);
+    # over its rounds, that happens. The window is half the phase just done, so A stays a peer that never stalls
+    # (the test above, with the victim it waited for once). Peers without a window never wait.
+    graced = scenario.main[0].rounds()
+    waits = [r["waited_s"] for r in graced]
+    assert any(w > 0 for w in waits), waits
+    # (the phase is timed from its start to its update's publication; round_s starts a moment later: slack)
+    assert all(w <= 0.5 * r["round_s"] + 0.1 for w, r in zip(waits[1:], graced) if w > 0), graced
+    assert all(r["waited_s"] == 0 for proc in scenario.main[1:] for r in proc.rounds())
 
 
 def test_status_lists_the_live_peers(scenario: Scenario) -> None:
