@@ -267,6 +267,8 @@ class AsyncSwarm:
         peer = self.peers[index]
         if not peer.alive:
             return
+        if peer.waiting_until is not None:  # died in a grace window: it lasted until now
+            peer.waits[-1] = self.queue.now - peer.waits[-1]
         peer.alive, peer.busy, peer.left_at, peer.waiting_until = False, False, self.queue.now, None
         peer.incarnation += 1
         peer.ticks.close()  # its phase is lost, as on a real machine

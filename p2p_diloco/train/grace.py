@@ -8,8 +8,15 @@ within 3% of a phase, +2.7% at 19%. Decoupled DiLoCo's syncer has the answer: it
 short grace window for stragglers. Here there is no syncer, so each unit waits on its own replica.
 
 Whom a unit waits for (`awaited`): the authors at the round's front, those whose count is exactly one short of
-ours: they are inside the round we just finished. A unit further behind (4x slower, or joined late) is not waited
-for (that would hold the swarm to its pace), and one level with us or ahead has nothing of this round to come.
+ours: they are inside the round we just finished. After our first round those are the live units (as the swarm
+view counts them) with no update yet, so they are not in the vector: the window awaits them by number. That first
+window matters most: without it every unit's second phase starts on its own first update alone, the others land
+mid-phase, and in the simulator that one round cost about 1.5% at equal tokens even with every later round in
+step (BENCHMARKS "Async at parity": the grace window). (A real peer's swarm view counts the units whose updates
+it merged lately, never the DHT's records, which a crowd could inflate; after its first round that is often
+itself alone, so a real swarm's first window mostly awaits nobody yet.) A unit further behind (4x slower, or joined late) is not
+waited for (that would hold the swarm to its pace), and one level with us or ahead has nothing of this round to
+come.
 How long: until the replica holds every awaited author's next update, or `grace` times the phase just done,
 whichever comes first; a dead author costs that once (its count then falls two short and it is no longer
 awaited). The wait is a choice of each unit's timing, not of the merge: replicas stay equal whatever it is.
@@ -23,7 +30,12 @@ from __future__ import annotations
 from p2p_diloco.sync.version_vector import VersionVector
 
 
-def awaited(vv: VersionVector, me: str) -> list[str]:
-    """Authors whose next update the grace window waits for: those exactly one update short of `me`."""
+def awaited(vv: VersionVector, me: str, live: int = 0) -> list[str]:
+    """Authors whose next update the grace window waits for: those exactly one update short of `me`. After our
+    first round, the units short of it hold no update yet and are not in `vv`: of `live` units (ourselves
+    included, as the swarm view counts them), those missing from it are awaited too, as "?"."""
     mine = vv.get(me)
-    return sorted(sender for sender in vv if sender != me and vv[sender] == mine - 1)
+    short = sorted(sender for sender in vv if sender != me and vv[sender] == mine - 1)
+    if mine == 1:
+        short += ["?"] * max(0, live - 1 - sum(1 for sender in vv if sender != me))
+    return short

@@ -173,14 +173,15 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
     finish = finish or threading.Event()
     H = learner.spec.inner.inner_steps
     round_ = start_round
-    until = 0.0  # the grace window's end (none before the first round)
+    until, live = 0.0, 0  # the grace window's end (none before the first round), the live units then
     hooks.evaluate(0)  # the starting point (logged as round 0, even after a restore)
     while not stop.is_set() and (schedule.rounds == 0 or round_ < schedule.rounds):
         if finish.is_set():
             return "finish"
         if not hooks.admit():
             return "admit"
-        waited_s = yield from _grace(learner, hooks, until, stop, finish)  # the last round's other updates, a moment
+        # the grace window: the last round's other updates, a moment (train/grace.py)
+        waited_s = yield from _grace(learner, live, hooks, until, stop, finish)
         if stop.is_set() or finish.is_set():  # (asked for while waiting)
             continue
         trim_free_heap()  # what the last round's outer step, evaluation and checkpoint freed, back to the system
@@ -215,7 +216,7 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
         trim_free_heap()
         update = learner.finish_phase(phase, result, view)  # pseudo-gradient, outer step, encode, sign, merge
         exchange.publish(update)  # returns at once: the network spreads it
-        ended_at = hooks.now()
+        ended_at, live = hooks.now(), view.num_peers  # (the view is read once a round: it dates its window)
         until = ended_at + schedule.grace * (ended_at - began)  # timed from here: evaluating is waiting too
         round_ += 1
         round_s = time.monotonic() - t0
@@ -234,12 +235,13 @@ def rounds(learner: Learner, exchange: Exchange, schedule: Schedule, hooks: Hook
     return "stop" if stop.is_set() else "rounds"
 
 
-def _grace(learner: Learner, hooks: Hooks, until: float, stop: threading.Event, finish: threading.Event,
-           ) -> Generator[GraceWait, None, float]:
-    """Wait (yielding) for the awaited authors' next updates until `until` (train/grace.py); how long it waited."""
+def _grace(learner: Learner, live: int, hooks: Hooks, until: float, stop: threading.Event,
+           finish: threading.Event) -> Generator[GraceWait, None, float]:
+    """Wait (yielding) for the awaited authors' next updates until `until` (train/grace.py); how long it waited.
+    `live`: the units the swarm view counted at the last round's end."""
     began = None
     while hooks.now() < until and not (stop.is_set() or finish.is_set()):
-        authors = awaited(learner.replica.version_vector, learner.peer_id)
+        authors = awaited(learner.replica.version_vector, learner.peer_id, live)
         if not authors:
             break
         began = hooks.now() if began is None else began

@@ -30,7 +30,11 @@ def test_awaited_is_the_authors_exactly_one_update_short_of_ours() -> None:
     vv = VersionVector({"me": 5, "one-short": 4, "level": 5, "ahead": 6, "far-behind": 2, "also-short": 4})
     assert awaited(vv, "me") == ["also-short", "one-short"]
     assert awaited(VersionVector({"me": 1, "other": 3}), "me") == []  # nobody of ours is one short of 1
-    assert awaited(VersionVector({"other": 1}), "me") == []  # before our first update: nothing to wait for
+    assert awaited(VersionVector({"other": 1}), "me", live=3) == []  # before our first update: nothing to wait for
+    # After our first update, the live units that have none yet are one short too (not in the vector: "?").
+    assert awaited(VersionVector({"me": 1, "a": 1}), "me", live=4) == ["?", "?"]
+    assert awaited(VersionVector({"me": 1, "a": 1, "b": 0}), "me", live=3) == ["?"]  # (a zero is no update)
+    assert awaited(VersionVector({"me": 2, "a": 1}), "me", live=4) == ["a"]  # later, a unit with none is far behind
 
 
 class Clock(Hooks):
@@ -115,7 +119,7 @@ SIM_SPEC = dataclasses.replace(preset("test"), data=dataclasses.replace(preset("
 def test_in_the_simulator_units_wait_until_the_round_lands_or_the_window_ends(corpus) -> None:
     # Latency is 30% of a phase (1 s): without a window each phase begins before the others' round has landed.
     # Unit 1 dies in its third phase: the others wait for its third update once, for the whole window, and then
-    # no more (it falls two short).
+    # no more (it falls two short). (It died waiting: its last window lasted until then.)
     base = SimConfig(peers=3, total_steps=3 * 20 * 5, step_time_s=0.05, latency_s=0.3, crash=("1@2.5",),
                      eval_batches=1)
     plain = simulate(SIM_SPEC, base, corpus)
@@ -126,11 +130,14 @@ def test_in_the_simulator_units_wait_until_the_round_lands_or_the_window_ends(co
     assert all(not p.waits for p in plain.peers) and plain.peers[0].utilization > 0.99
     window = 0.5 * 20 * base.step_time_s
     for peer in (graced.peers[0], graced.peers[2]):
-        # From the 2nd round on, a window after each round but the last. The round lands a latency (and a
-        # transmission) after it was sent, well inside the window; the dead unit's never does.
-        assert len(peer.waits) == 4 and peer.utilization < 0.85
-        assert [w == pytest.approx(window) for w in peer.waits] == [False, True, False, False]
-        assert all(0.3 <= w < window - 0.1 for i, w in enumerate(peer.waits) if i != 1)
+        # A window after each round but the last (after the first too: the units with no update yet). The round
+        # lands at most a latency (and a transmission) after we finished, well inside the window; the dead unit's
+        # never does.
+        assert len(peer.waits) == 5 and peer.utilization < 0.85
+        assert [w == pytest.approx(window) for w in peer.waits] == [False, False, True, False, False]
+        assert all(0 < w < window - 0.1 for i, w in enumerate(peer.waits) if i != 2)
+    dead = graced.peers[1]
+    assert not dead.alive and len(dead.waits) == 2 and all(w < window + 1e-9 for w in dead.waits)
 
 
 @pytest.mark.parametrize("grace", [-0.1, 4.5])
