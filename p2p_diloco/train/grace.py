@@ -14,9 +14,9 @@ window matters most: without it every unit's second phase starts on its own firs
 mid-phase, and in the simulator that one round cost about 1.5% at equal tokens even with every later round in
 step (BENCHMARKS "Async at parity": the grace window). (A real peer's swarm view counts the units whose updates
 it merged lately, never the DHT's records, which a crowd could inflate; after its first round that is often
-itself alone, so a real swarm's first window mostly awaits nobody yet.) A unit further behind (4x slower, or joined late) is not
-waited for (that would hold the swarm to its pace), and one level with us or ahead has nothing of this round to
-come.
+itself alone, so a real swarm's first window mostly awaits nobody yet.) A unit further behind (4x slower, or
+joined late) is not waited for (that would hold the swarm to its pace), and one level with us or ahead has
+nothing of this round to come.
 How long: until the replica holds every awaited author's next update, or `grace` times the phase just done,
 whichever comes first; a dead author costs that once (its count then falls two short and it is no longer
 awaited). The wait is a choice of each unit's timing, not of the merge: replicas stay equal whatever it is.

@@ -13,17 +13,14 @@ from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.exchange import CollectingExchange
 from p2p_diloco.train.grace import awaited
-from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.train.learner import Learner
 from p2p_diloco.train.loop import GraceWait, Hooks, PhaseBegun, RoundDone, Schedule, StepDone, rounds, run_rounds
 from p2p_diloco.wire.envelope import encode_update
 from p2p_diloco.wire.identity import Identity
+from tests.train.test_loop import SPEC, VIEW, H  # the loop's tests' spec (H = 3) and swarm view
 
 pytestmark = pytest.mark.timeout(180)
 
-BASE = preset("test")
-SPEC = dataclasses.replace(BASE, inner=dataclasses.replace(BASE.inner, inner_steps=3))
-H = SPEC.inner.inner_steps
-VIEW = SwarmView(num_peers=2, samples_per_round=2 * H * SPEC.data.batch_size)
 
 
 def test_awaited_is_the_authors_exactly_one_update_short_of_ours() -> None:

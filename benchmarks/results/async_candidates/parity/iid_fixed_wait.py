@@ -16,8 +16,8 @@ from async_timing import METHODS, NOISE, run_one  # noqa: E402
 SYNC_NEW = 1.9692
 
 
-def run(job: tuple) -> dict:
-    *job, wait = job
+def fixed_wait(wait: float) -> None:
+    """From now on, in this process, every simulated unit starts its next phase `wait` seconds after a phase ends."""
     from p2p_diloco.sim import swarm
 
     start, end = swarm.AsyncSwarm._start_phase, swarm.AsyncSwarm._end_phase
@@ -30,6 +30,11 @@ def run(job: tuple) -> dict:
             swarm.AsyncSwarm._start_phase = start
 
     swarm.AsyncSwarm._end_phase = end_then_wait
+
+
+def run(job: tuple) -> dict:
+    *job, wait = job
+    fixed_wait(wait)
     return run_one(tuple(job))
 
 
