@@ -91,8 +91,9 @@ def time_to(curve: list, target: float) -> float | None:
     return next((t for t, _, loss in curve if loss <= target), None)
 
 
-def real_swarms(k: int, workdir: Path) -> list[float]:
-    """K real local swarms with the RunSpec's defaults (bench_swarm.py runs and evaluates them)."""
+def real_swarms(k: int, workdir: Path, graces: tuple[float, ...] = (0.0,)) -> dict[float, list[float]]:
+    """K real local swarms with the RunSpec's defaults per grace window (0: none), alternating so that a machine's
+    load falls on each alike (bench_swarm.py runs and evaluates them): {grace: losses}."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_swarm
 
@@ -103,17 +104,19 @@ def real_swarms(k: int, workdir: Path) -> list[float]:
     batches = eval_batches(corpus, block_size=spec.model.block_size, batch_size=spec.data.batch_size, num_batches=16)
     args = argparse.Namespace(peers=4, inner_steps=50, rounds=10, preset="test", codec=spec.outer.codec,
                               outer_lr=spec.outer.outer_lr, momentum=spec.outer.momentum)
-    losses = []
+    losses: dict[float, list[float]] = {grace: [] for grace in graces}
     for i in range(k):
-        run = workdir / f"real{i}"
-        bench_swarm.run_real(args, run)
-        rows = bench_swarm.real_rows(run, spec, 4, batches)
-        losses.append(statistics.mean(r["eval_loss"] for r in rows))
-        print(f"real swarm {i}: {losses[-1]:.4f}", flush=True)
+        for grace in graces:
+            run = workdir / f"real{i}-grace{grace}"
+            bench_swarm.run_real(argparse.Namespace(**vars(args), grace=grace), run)
+            rows = bench_swarm.real_rows(run, spec, 4, batches)
+            losses[grace].append(statistics.mean(r["eval_loss"] for r in rows))
+            util = statistics.mean(r["util"] for r in rows)
+            print(f"real swarm {i}, grace {grace}: {losses[grace][-1]:.4f}  utilization {util:.0%}", flush=True)
     return losses
 
 
-def summarize(results: list[dict], real: list[float]) -> list[dict]:
+def summarize(results: list[dict], real: dict[float, list[float]]) -> list[dict]:
     by = {}
     for r in results:
         by.setdefault((r["method"], r["scenario"]), []).append(r)
@@ -154,8 +157,10 @@ def summarize(results: list[dict], real: list[float]) -> list[dict]:
     if real:
         noise_sync = next((r["median"] for r in rows if r["method"] == "sync-diloco" and r["scenario"] == "noise"),
                           None)
-        rows.append({"method": "async-new", "scenario": "real", "losses": real, "median": statistics.median(real),
-                     "worst": max(real), "sync_median": noise_sync})
+        for grace, losses in real.items():
+            rows.append({"method": "async-new" if not grace else f"async-grace-{grace}", "scenario": "real",
+                         "losses": losses, "median": statistics.median(losses), "worst": max(losses),
+                         "sync_median": noise_sync})
     return rows
 
 
@@ -177,6 +182,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=8, help="timing seeds of the noise scenario")
     ap.add_argument("--real", type=int, default=0, help="real local swarms with the new default")
+    ap.add_argument("--real-grace", type=float, default=0.0,
+                    help="also K real swarms with this grace window (--training.grace), alternating with the default")
     ap.add_argument("--scenarios", default="noise,orderly,slow")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--candidates", help="JSON file: more methods [{name, outer, inner, sim (async)}]")
@@ -208,7 +215,8 @@ def main() -> int:
             rv = "-" if r["round_loss"] is None else f"{r['round_loss']:.4f}"
             print(f"{r['scenario']:8s} {r['method']:14s} seed {r['seed']}: {r['loss']:.4f}  round view {rv}  "
                   f"utilization {r['utilization']:.0%}", flush=True)
-    real = real_swarms(args.real, Path(args.workdir)) if args.real else []
+    graces = (0.0, args.real_grace) if args.real_grace else (0.0,)
+    real = real_swarms(args.real, Path(args.workdir), graces) if args.real else {}
     rows = summarize(results, real)
     print(table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
