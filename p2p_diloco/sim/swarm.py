@@ -63,6 +63,7 @@ class SimPeer:
     alive: bool = True
     busy: bool = False  # inside an inner phase, or between two in the grace window
     waiting_until: float | None = None  # between rounds, in the grace window (train/grace.py) until then
+    waiting_since: float = 0.0  # (when that window began)
     waits: list[float] = field(default_factory=list)  # how long each grace window lasted
     phase: Phase | None = None
     phase_started: float = 0.0
@@ -179,11 +180,11 @@ class AsyncSwarm:
         if isinstance(tick, GraceWait):  # looked at again when an update lands, and at the window's end
             if peer.waiting_until != tick.until:
                 self.queue.push(tick.until, self._grace_over, peer, peer.incarnation)
-                peer.waits.append(self.queue.now)  # (its start; its length once it ends)
+                peer.waiting_since = self.queue.now
             peer.waiting_until = tick.until
             return
         if peer.waiting_until is not None:
-            peer.waits[-1] = self.queue.now - peer.waits[-1]
+            peer.waits.append(self.queue.now - peer.waiting_since)
             peer.waiting_until = None
         if not isinstance(tick, PhaseBegun):  # crashed, or the budget is spent: the loop has ended
             if peer.busy and peer.alive:
@@ -268,7 +269,7 @@ class AsyncSwarm:
         if not peer.alive:
             return
         if peer.waiting_until is not None:  # died in a grace window: it lasted until now
-            peer.waits[-1] = self.queue.now - peer.waits[-1]
+            peer.waits.append(self.queue.now - peer.waiting_since)
         peer.alive, peer.busy, peer.left_at, peer.waiting_until = False, False, self.queue.now, None
         peer.incarnation += 1
         peer.ticks.close()  # its phase is lost, as on a real machine
