@@ -18,8 +18,10 @@ Scenarios (the `test` preset, N=4, H=50, 2,000 inner steps in all, lr decayed ov
 
 Methods: `sync-diloco` (DiLoCo: outer Nesterov lr 0.7, mu 0.9), `async-old` (the same outer step, as the
 async default was: the lr schedule on each unit's own steps, remote updates rebased at every step) and
-`async-new` (the RunSpec's defaults now); `sync-new` is synchronous DiLoCo with the new outer step, to
-separate what the outer step gains in lockstep from what it gains under async timing. `--candidates FILE`
+`async-new` (the RunSpec's and the simulator's defaults now), `async-grace` (with a grace window of 0.5);
+`sync-new` is synchronous DiLoCo with the new outer step, to separate what the outer step gains in lockstep from
+what it gains under async timing (`sync-new-constant`: the same step without its ramp to DiLoCo's after 10 swarm
+rounds; over the 10 rounds here the two are one). `--candidates FILE`
 adds more (a JSON list of {"name", "outer", "inner", "sim"} overrides) for the search that chose the default.
 
 Writes a JSON list of rows with `method`, `scenario`, `losses`, `median`, `worst`, `sync_median` (sync DiLoCo's
@@ -51,6 +53,9 @@ METHODS = {
     "async-old": {"sim": "async", "outer": OLD_OUTER, "inner": OLD_INNER},
     "async-new": {"sim": "async", "outer": {}, "inner": {}},
     "sync-new": {"sim": "sync", "outer": {}, "inner": {}},  # sync DiLoCo with the new outer step, for reference
+    # the new step without its ramp to DiLoCo's (outer.schedule): the same as sync-new over 10 rounds, not over 100
+    "sync-new-constant": {"sim": "sync", "outer": {"schedule": "constant"}, "inner": {}},
+    "async-grace": {"sim": "async", "outer": {}, "inner": {}, "grace": 0.5},  # the defaults and a grace window
 }
 
 
@@ -78,7 +83,7 @@ def run_one(job: tuple) -> dict:
     else:
         timing_seed = seed
     sim = SimConfig(peers=4, total_steps=2000, method=method["sim"], timing_seed=timing_seed,
-                    grace=method.get("grace", 0.0), **sim_over)
+                    **({"grace": method["grace"]} if "grace" in method else {}), **sim_over)
     result = simulate(spec, sim)
     return {"method": name, "scenario": scenario, "seed": seed, "loss": result.eval_loss,
             "utilization": statistics.mean(p.utilization for p in result.peers), "sim_time_s": result.sim_time_s,
@@ -91,9 +96,9 @@ def time_to(curve: list, target: float) -> float | None:
     return next((t for t, _, loss in curve if loss <= target), None)
 
 
-def real_swarms(k: int, workdir: Path, graces: tuple[float, ...] = (0.0,)) -> dict[float, list[float]]:
-    """K real local swarms with the RunSpec's defaults per grace window (0: none), alternating so that a machine's
-    load falls on each alike (bench_swarm.py runs and evaluates them): {grace: losses}."""
+def real_swarms(k: int, workdir: Path, graces: tuple[float | None, ...] = (None,)) -> dict[float | None, list[float]]:
+    """K real local swarms with the RunSpec's defaults per grace window (None: the default's, 0: none), alternating
+    so that a machine's load falls on each alike (bench_swarm.py runs and evaluates them): {grace: losses}."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_swarm
 
@@ -104,7 +109,7 @@ def real_swarms(k: int, workdir: Path, graces: tuple[float, ...] = (0.0,)) -> di
     batches = eval_batches(corpus, block_size=spec.model.block_size, batch_size=spec.data.batch_size, num_batches=16)
     args = argparse.Namespace(peers=4, inner_steps=50, rounds=10, preset="test", codec=spec.outer.codec,
                               outer_lr=spec.outer.outer_lr, momentum=spec.outer.momentum)
-    losses: dict[float, list[float]] = {grace: [] for grace in graces}
+    losses: dict[float | None, list[float]] = {grace: [] for grace in graces}
     for i in range(k):
         for grace in graces:
             run = workdir / f"real{i}-grace{grace}"
@@ -116,7 +121,7 @@ def real_swarms(k: int, workdir: Path, graces: tuple[float, ...] = (0.0,)) -> di
     return losses
 
 
-def summarize(results: list[dict], real: dict[float, list[float]]) -> list[dict]:
+def summarize(results: list[dict], real: dict[float | None, list[float]]) -> list[dict]:
     by = {}
     for r in results:
         by.setdefault((r["method"], r["scenario"]), []).append(r)
@@ -158,7 +163,7 @@ def summarize(results: list[dict], real: dict[float, list[float]]) -> list[dict]
         noise_sync = next((r["median"] for r in rows if r["method"] == "sync-diloco" and r["scenario"] == "noise"),
                           None)
         for grace, losses in real.items():
-            rows.append({"method": "async-new" if not grace else f"async-grace-{grace}", "scenario": "real",
+            rows.append({"method": "async-new" if grace is None else f"async-grace-{grace}", "scenario": "real",
                          "losses": losses, "median": statistics.median(losses), "worst": max(losses),
                          "sync_median": noise_sync})
     return rows
@@ -182,8 +187,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=8, help="timing seeds of the noise scenario")
     ap.add_argument("--real", type=int, default=0, help="real local swarms with the new default")
-    ap.add_argument("--real-grace", type=float, default=0.0,
-                    help="also K real swarms with this grace window (--training.grace), alternating with the default")
+    ap.add_argument("--real-grace", type=float, default=None,
+                    help="also K real swarms with this grace window (--training.grace; 0: none), alternating with the "
+                         "default")
     ap.add_argument("--scenarios", default="noise,orderly,slow")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--candidates", help="JSON file: more methods [{name, outer, inner, sim (async)}]")
@@ -197,7 +203,7 @@ def main() -> int:
     if args.candidates:
         for c in json.loads(Path(args.candidates).read_text()):
             methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
-                                  "inner": c.get("inner", {}), "grace": c.get("grace", 0.0)}
+                                  "inner": c.get("inner", {}), **({"grace": c["grace"]} if "grace" in c else {})}
     scenarios = {name: {**over, "iid": args.iid}
                  for name, over in {"noise": NOISE, "orderly": ORDERLY, "slow": SLOW, "run-seeds": ORDERLY}.items()}
     jobs = []
@@ -215,7 +221,7 @@ def main() -> int:
             rv = "-" if r["round_loss"] is None else f"{r['round_loss']:.4f}"
             print(f"{r['scenario']:8s} {r['method']:14s} seed {r['seed']}: {r['loss']:.4f}  round view {rv}  "
                   f"utilization {r['utilization']:.0%}", flush=True)
-    graces = (0.0, args.real_grace) if args.real_grace else (0.0,)
+    graces = (None, args.real_grace) if args.real_grace is not None else (None,)
     real = real_swarms(args.real, Path(args.workdir), graces) if args.real else {}
     rows = summarize(results, real)
     print(table(rows))

@@ -78,7 +78,7 @@ def run_real(args, workdir: Path) -> float:
            "--preset", args.preset, "--workdir", str(workdir), "--", "--inner-steps", str(H),
            "--decay-steps", str(R * H), "--codec", args.codec, "--outer-lr", str(args.outer_lr),
            "--momentum", str(args.momentum), "--eval-every", "0"]
-    if getattr(args, "grace", 0.0):  # the grace window (train/grace.py)
+    if getattr(args, "grace", None) is not None:  # the grace window (train/grace.py); else the default's
         cmd += ["--training.grace", str(args.grace)]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)

@@ -5,10 +5,12 @@
         --methods async-new,async-diloco-step --out benchmarks/results/long_run_noise
 
 The simulator, the `test` preset, N=4 units, orderly timing, equal tokens for every method (rounds x N x H
-inner steps, the lr decayed over each unit's rounds x H steps): async p2p DiLoCo with the RunSpec's defaults,
-synchronous DiLoCo (outer Nesterov lr 0.7, mu 0.9), synchronous DiLoCo with the new outer step, and
-data-parallel (one AdamW step on N batches per step). Prints each method's gap to data-parallel at equal
-tokens after 10, 25, 50... rounds: the trend.
+inner steps, the lr decayed over each unit's rounds x H steps): async p2p DiLoCo with the RunSpec's and the
+simulator's defaults (the outer step's ramp; `async-grace`: and a grace window of 0.5), synchronous DiLoCo
+(outer Nesterov lr 0.7, mu 0.9), synchronous DiLoCo with the default outer step (`sync-new`: the ramp from lr
+1.4 / mu 0.3 to DiLoCo's) and without its ramp (`sync-new-constant`: lr 1.4 / mu 0.3 throughout), and
+data-parallel (one AdamW step on N batches per step). Prints each method's gap to data-parallel at equal tokens
+after 10, 25, 50... rounds: the trend.
 Writes OUT.json (final losses and curves) and OUT.png (eval loss vs tokens, one panel per H).
 """
 
@@ -26,10 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_timing import METHODS, NOISE, OLD_OUTER, ORDERLY  # noqa: E402  (the timing matrix's definitions)
 
 LONG_METHODS = {"async-new": METHODS["async-new"], "sync-diloco": METHODS["sync-diloco"],
-                "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
+                "sync-new": METHODS["sync-new"], "sync-new-constant": METHODS["sync-new-constant"],
+                "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
+                "async-grace": METHODS["async-grace"],
                 # DiLoCo's outer step with the swarm clock: which outer step wins a long run under real timing
                 "async-diloco-step": {"sim": "async", "outer": OLD_OUTER, "inner": {}}}
-DEFAULT_METHODS = "async-new,sync-diloco,sync-new,data-parallel"
+DEFAULT_METHODS = "async-new,sync-diloco,sync-new,sync-new-constant,data-parallel"
 
 
 def run_one(job: tuple) -> dict:
@@ -47,7 +51,8 @@ def run_one(job: tuple) -> dict:
     total = rounds * 4 * H
     over = NOISE if timing == "noise" else ORDERLY
     sim = SimConfig(peers=4, total_steps=total, method=method["sim"], timing_seed=seed, iid=iid,
-                    eval_every_s=rounds * H * over["step_time_s"] / 25, grace=method.get("grace", 0.0), **over)
+                    eval_every_s=rounds * H * over["step_time_s"] / 25,
+                    **({"grace": method["grace"]} if "grace" in method else {}), **over)  # else the default's
     t0 = time.time()
     result = simulate(spec, sim)
     return {"method": name, "H": H, "rounds": rounds, "timing": timing, "seed": seed, "loss": result.eval_loss,
@@ -125,7 +130,7 @@ def main() -> int:
     if args.candidates:
         for c in json.loads(Path(args.candidates).read_text()):
             methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
-                                  "inner": c.get("inner", {}), "grace": c.get("grace", 0.0)}
+                                  "inner": c.get("inner", {}), **({"grace": c["grace"]} if "grace" in c else {})}
     jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed), args.iid)
             for seed in args.timing_seeds.split(",") for H in args.inner_steps.split(",")
             for name in args.methods.split(",")]

@@ -157,10 +157,23 @@ class OuterConfig:
     """The outer step: sender-side Nesterov, compression with error feedback, weighting."""
 
     outer_lr: float = 1.4
-    """Outer learning rate (DiLoCo: 0.7 with mu 0.9; an async swarm's loss then depends on when updates land,
-    with 1.4 and mu 0.3 half as much: BENCHMARKS.md "Async quality")."""
+    """Outer learning rate, and the one receivers merge at (DiLoCo: 0.7 with mu 0.9; an async swarm's loss then
+    depends on when updates land, with 1.4 and mu 0.3 half as much: BENCHMARKS.md "Async quality"). With the ramp
+    (`schedule`) it holds until `ramp_from` swarm rounds; DiLoCo's step is then better over long runs."""
     momentum: float = 0.3
     """Outer momentum mu (DiLoCo: 0.9); 0 gives plain averaging."""
+    schedule: str = "ramp"
+    """How the outer step follows the swarm's clock (`swarm_rounds`, train/phase.py): ramp (outer_lr and momentum
+    until `ramp_from` swarm rounds, then linearly to late_lr and late_momentum by `ramp_to`: the step that is best
+    over 10 rounds, then DiLoCo's, best over 100; BENCHMARKS.md "The outer step's ramp") or constant."""
+    late_lr: float = 0.7
+    """The ramp's outer lr from `ramp_to` on (DiLoCo's)."""
+    late_momentum: float = 0.9
+    """The ramp's momentum from `ramp_to` on (DiLoCo's)."""
+    ramp_from: float = 10.0
+    """Swarm rounds at which the ramp leaves outer_lr and momentum."""
+    ramp_to: float = 30.0
+    """Swarm rounds at which the ramp reaches late_lr and late_momentum."""
     nesterov: bool = True
     """Nesterov momentum (DiLoCo); False gives heavy-ball."""
     codec: str = "int8"
@@ -179,10 +192,33 @@ class OuterConfig:
     adds nearly the same momentum, not its own shard's; heavy-ball, or Nesterov's look-ahead with `nesterov`;
     one more float32 vector per unit). BENCHMARKS.md "Async at parity"."""
 
+    def step_at(self, clock: float) -> tuple[float, float]:
+        """(outer lr, momentum) at `clock` swarm rounds. Linear in both between ramp_from and ramp_to."""
+        if self.schedule == "constant":
+            return self.outer_lr, self.momentum
+        f = min(1.0, max(0.0, (clock - self.ramp_from) / (self.ramp_to - self.ramp_from)))
+        return (self.outer_lr + (self.late_lr - self.outer_lr) * f,
+                self.momentum + (self.late_momentum - self.momentum) * f)
+
+    def peak_gain(self) -> float:
+        """The most the sender's momentum multiplies a pseudo-gradient's coordinate by, in the units receivers
+        merge at (`outer_lr`): (lr / outer_lr) / (1 - mu), at the schedule's worst point. Both ends suffice: the
+        ratio of two functions linear in the ramp's fraction is monotonic in it."""
+        ends = [self.step_at(0.0), self.step_at(math.inf)] if self.schedule == "ramp" else [self.step_at(0.0)]
+        return max(lr / self.outer_lr / (1.0 - mu) for lr, mu in ends)
+
     def validate(self) -> None:
         require(self.outer_lr > 0 and math.isfinite(self.outer_lr),
                 f"outer.outer_lr must be a positive number, got {self.outer_lr}")
         require(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
+        require(self.schedule in ("constant", "ramp"),
+                f"outer.schedule must be constant or ramp, got {self.schedule!r}")
+        require(self.late_lr > 0 and math.isfinite(self.late_lr),
+                f"outer.late_lr must be a positive number, got {self.late_lr}")
+        require(0 <= self.late_momentum < 1, f"outer.late_momentum must be in [0, 1), got {self.late_momentum}")
+        require(0 <= self.ramp_from < self.ramp_to and math.isfinite(self.ramp_to),
+                f"outer.ramp_from and ramp_to must satisfy 0 <= ramp_from < ramp_to, got {self.ramp_from}, "
+                f"{self.ramp_to}")
         require(self.codec in CODECS, f"outer.codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         require(self.codec_block > 0 and self.codec_block % 2 == 0,
                 f"outer.codec_block must be a positive even number, got {self.codec_block}")

@@ -10,7 +10,8 @@ test, the one that bans, depends only on the update itself and the RunSpec:
 `beta1**2 < beta2`, Cauchy-Schwarz on Adam's two running averages gives `|m_hat| / sqrt(v_hat) <=
 sqrt((1-beta1)**2 / ((1-beta2) (1 - beta1**2/beta2)))` (1.165 for 0.9/0.95), and 1 at the first step. So an
 inner phase moves a coordinate by at most `H * lr * adam_step_bound`, and the sender's outer momentum
-(Nesterov `d = delta + mu*m`, or heavy ball `d = m`) by at most `1 / (1 - mu)` times that. `honest_coord_bound`
+(Nesterov `d = delta + mu*m`, or heavy ball `d = m`) by at most `1 / (1 - mu)` times that (with the outer
+schedule's ramp, `lr / outer_lr / (1 - mu)` at its worst end: `OuterConfig.peak_gain`). `honest_coord_bound`
 is that number; an update whose decoded payload has a coordinate above `norm_bound` times it is rejected
 and its sender banned (a rejected seq is a gap the sender can never fill, see `Replica`). Every honest peer
 computes the same verdict from the same bytes. The bound is an L-infinity norm: the one norm for which a
@@ -74,10 +75,12 @@ def adam_step_bound(beta1: float, beta2: float) -> float:
 
 
 def honest_coord_bound(spec: RunSpec) -> float:
-    """The most an honest update (decoded payload) can move one coordinate: H * lr * adam / (1 - mu)."""
-    inner, outer = spec.inner, spec.outer
+    """The most an honest update (decoded payload) can move one coordinate: H * lr * adam / (1 - mu), at the
+    outer schedule's worst point (`OuterConfig.peak_gain`: the ramp to DiLoCo's lr 0.7, mu 0.9 makes it 3.5x
+    the constant lr 1.4, mu 0.3's). The spec's, not the swarm clock's: every receiver must judge alike."""
+    inner = spec.inner
     per_phase = inner.inner_steps * inner.lr * adam_step_bound(inner.beta1, inner.beta2)
-    return per_phase / (1.0 - outer.momentum)
+    return per_phase * spec.outer.peak_gain()
 
 
 def peak(x: Tensor) -> float:

@@ -184,6 +184,9 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
     `extra`, `own_share`: a sponsor's relayed proposals (`relay_payload`): the momentum's output is scaled by
     `own_share` and `extra` added after it, outside the momentum, so it moves theta once.
 
+    `replica` (the sender's) gives the swarm's clock for the outer schedule (`OuterConfig.step_at`), and what
+    momentum_source swarm follows.
+
     `limit` (the run's `MergePolicy.sender_limit`): what goes into the codec is clipped to it, so every peer's
     norm bound passes our update; the excess is dropped, not carried in `e` (a clip that recurs would grow `e`
     without end). `state.clipped` counts the coordinates clipped. Honest runs stay far inside it (0.15-0.2 of the
@@ -192,7 +195,12 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
     d = delta if consume else delta.clone()
     if cfg.momentum_source == "swarm" and replica is not None:  # `replica`: the sender's, before its update merges
         state.follow_swarm(replica, cfg.outer_lr)
-    mu, m, e = cfg.momentum, state.momentum, state.error
+    # The schedule's step at the swarm's clock as our replica shows it: receivers merge at outer_lr, so the
+    # sender scales what enters its momentum by lr / outer_lr (SGD's lr inside the buffer) and uses the mu of now.
+    lr, mu = cfg.step_at(swarm_rounds(replica.version_vector) if replica is not None else 0.0)
+    if lr != cfg.outer_lr:
+        d.mul_(lr / cfg.outer_lr)
+    m, e = state.momentum, state.error
     if rounds > 1 and cfg.momentum_source == "own":  # a stretched phase (rare): one more full-size vector for the sum
         part, total = d.div_(rounds), torch.zeros_like(d)
         for c in chunks(d.numel()):
