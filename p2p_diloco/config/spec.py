@@ -200,13 +200,6 @@ class OuterConfig:
         return (self.outer_lr + (self.late_lr - self.outer_lr) * f,
                 self.momentum + (self.late_momentum - self.momentum) * f)
 
-    def peak_gain(self) -> float:
-        """The most the sender's momentum multiplies a pseudo-gradient's coordinate by, in the units receivers
-        merge at (`outer_lr`): (lr / outer_lr) / (1 - mu), at the schedule's worst point. Both ends suffice: the
-        ratio of two functions linear in the ramp's fraction is monotonic in it."""
-        ends = [self.step_at(0.0), self.step_at(math.inf)] if self.schedule == "ramp" else [self.step_at(0.0)]
-        return max(lr / self.outer_lr / (1.0 - mu) for lr, mu in ends)
-
     def validate(self) -> None:
         require(self.outer_lr > 0 and math.isfinite(self.outer_lr),
                 f"outer.outer_lr must be a positive number, got {self.outer_lr}")

@@ -10,15 +10,15 @@ test, the one that bans, depends only on the update itself and the RunSpec:
 `beta1**2 < beta2`, Cauchy-Schwarz on Adam's two running averages gives `|m_hat| / sqrt(v_hat) <=
 sqrt((1-beta1)**2 / ((1-beta2) (1 - beta1**2/beta2)))` (1.165 for 0.9/0.95), and 1 at the first step. So an
 inner phase moves a coordinate by at most `H * lr * adam_step_bound`, and the sender's outer momentum
-(Nesterov `d = delta + mu*m`, or heavy ball `d = m`) by at most `1 / (1 - mu)` times that (with the outer
-schedule's ramp, `lr / outer_lr / (1 - mu)` at its worst end: `OuterConfig.peak_gain`). `honest_coord_bound`
-is that number; an update whose decoded payload has a coordinate above `norm_bound` times it is rejected
-and its sender banned (a rejected seq is a gap the sender can never fill, see `Replica`). Every honest peer
-computes the same verdict from the same bytes. The bound is an L-infinity norm: the one norm for which a
-per-coordinate optimizer gives a bound that does not depend on the model's size. It leaves out two small
-terms, which `norm_bound` > 1 would absorb: decoupled weight decay (`lr * wd * |phi|` per step) and the
-carried compression error (at most half a quantization step: 1/254 of a block's peak for int8, 1/14 for
-int4). On the `test` preset the largest honest coordinate is 0.15-0.2 of the bound (benchmarks/bench_poison.py).
+(Nesterov `d = delta + mu*m`, or heavy ball `d = m`) by at most `1 / (1 - mu)` times that (mu of the outer
+schedule's early step: `honest_coord_bound` says why not its late one's). `honest_coord_bound` is that number;
+an update whose decoded payload has a coordinate above `norm_bound` times it is rejected and its sender banned
+(a rejected seq is a gap the sender can never fill, see `Replica`). Every honest peer computes the same verdict
+from the same bytes. The bound is an L-infinity norm: the one norm for which a per-coordinate optimizer gives a
+bound that does not depend on the model's size. It leaves out two small terms, which `norm_bound` > 1 would
+absorb: decoupled weight decay (`lr * wd * |phi|` per step) and the carried compression error (at most half a
+quantization step: 1/254 of a block's peak for int8, 1/14 for int4). On the `test` preset the largest honest
+coordinate is 0.15-0.2 of the bound with the early step (benchmarks/bench_poison.py).
 Considered and not taken: a bound relative to the sender's own previous norms (identical everywhere except
 across holes, but an attacker can grow it geometrically, and it trips on honest warm-up) and one relative
 to the recent norms of all senders (receiver-dependent, see above).
@@ -75,12 +75,15 @@ def adam_step_bound(beta1: float, beta2: float) -> float:
 
 
 def honest_coord_bound(spec: RunSpec) -> float:
-    """The most an honest update (decoded payload) can move one coordinate: H * lr * adam / (1 - mu), at the
-    outer schedule's worst point (`OuterConfig.peak_gain`: the ramp to DiLoCo's lr 0.7, mu 0.9 makes it 3.5x
-    the constant lr 1.4, mu 0.3's). The spec's, not the swarm clock's: every receiver must judge alike."""
-    inner = spec.inner
+    """The most an honest update (decoded payload) can move one coordinate: H * lr * adam / (1 - mu).
+
+    With the outer schedule's ramp (`OuterConfig.step_at`) it stays the early step's (outer_lr, momentum), not its
+    worst end's: a bound that followed the ramp to DiLoCo's lr 0.7, mu 0.9 would be 3.5x looser, and one attacker
+    sending every coordinate just under it took an honest run's loss from 1.98 to 36.8 (4.7 under this bound;
+    BENCHMARKS.md "The outer step's ramp"). An honest sender under the late step clips instead (`sender_limit`)."""
+    inner, outer = spec.inner, spec.outer
     per_phase = inner.inner_steps * inner.lr * adam_step_bound(inner.beta1, inner.beta2)
-    return per_phase * spec.outer.peak_gain()
+    return per_phase / (1.0 - outer.momentum)
 
 
 def peak(x: Tensor) -> float:

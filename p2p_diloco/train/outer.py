@@ -189,8 +189,9 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
 
     `limit` (the run's `MergePolicy.sender_limit`): what goes into the codec is clipped to it, so every peer's
     norm bound passes our update; the excess is dropped, not carried in `e` (a clip that recurs would grow `e`
-    without end). `state.clipped` counts the coordinates clipped. Honest runs stay far inside it (0.15-0.2 of the
-    bound on the `test` preset), so it changes nothing there.
+    without end). `state.clipped` counts the coordinates clipped. Honest runs with the early step stay far inside
+    it (0.15-0.2 of the bound on the `test` preset); after the ramp (mu 0.9) some updates clip a few hundred
+    coordinates, since the bound stays the early step's (sync/robust.py `honest_coord_bound` says why).
     """
     d = delta if consume else delta.clone()
     if cfg.momentum_source == "swarm" and replica is not None:  # `replica`: the sender's, before its update merges
@@ -245,9 +246,10 @@ def outer_update(delta: torch.Tensor, state: OuterState, cfg: OuterConfig, codec
         for c in chunks(d.numel()):
             state.clipped += int((d[c].abs() > limit).sum())
             d[c].clamp_(-limit, limit)
-        if state.clipped:
-            logger.warning("own update clipped to the run's norm bound coordinates=%d limit=%.3g (the excess is "
-                           "dropped: every peer would refuse it)", state.clipped, limit)
+        if state.clipped:  # a few hundred coordinates are routine after the ramp (mu 0.9); a large share is not
+            logger.log(logging.WARNING if state.clipped > d.numel() // 100 else logging.INFO,
+                       "own update clipped to the run's norm bound coordinates=%d limit=%.3g (the excess is "
+                       "dropped: every peer would refuse it)", state.clipped, limit)
     payload = codec.compress(d)
     if cfg.error_feedback:
         # e <- d - decoded, and d <- decoded, a chunk at a time: d's buffer ends as the decoded payload.

@@ -37,20 +37,12 @@ def test_the_ramp_holds_the_early_step_then_moves_linearly_to_the_late_one() -> 
     assert constant.step_at(0) == constant.step_at(1e9) == (1.4, 0.3)
 
 
-def test_peak_gain_is_the_schedules_worst_end() -> None:
-    assert OuterConfig().peak_gain() == pytest.approx(0.5 / 0.1)  # lr 0.7 of the merged 1.4, mu 0.9
-    assert OuterConfig(schedule="constant").peak_gain() == pytest.approx(1 / 0.7)
-    # DiLoCo's step throughout: the ramp from (0.7, 0.9) to (0.7, 0.9) is constant
-    assert OuterConfig(outer_lr=0.7, momentum=0.9).peak_gain() == pytest.approx(10.0)
-    assert OuterConfig(late_lr=0.1, late_momentum=0.0).peak_gain() == pytest.approx(1 / 0.7)
-
-
-def test_the_norm_bound_follows_the_schedule() -> None:
+def test_the_norm_bound_stays_the_early_steps() -> None:
+    # A bound that followed the ramp to mu 0.9 would let an attacker move theta 3.5x further per update
     ramp, constant = RunSpec(), RunSpec(outer=OuterConfig(schedule="constant"))
     per_phase = ramp.inner.inner_steps * ramp.inner.lr * adam_step_bound(ramp.inner.beta1, ramp.inner.beta2)
-    assert honest_coord_bound(ramp) == pytest.approx(per_phase * 5.0)
-    assert honest_coord_bound(ramp) / honest_coord_bound(constant) == pytest.approx(3.5)
-    assert MergePolicy.from_spec(ramp).sender_limit > MergePolicy.from_spec(constant).sender_limit
+    assert honest_coord_bound(ramp) == honest_coord_bound(constant) == pytest.approx(per_phase / (1 - 0.3))
+    assert MergePolicy.from_spec(ramp).sender_limit == MergePolicy.from_spec(constant).sender_limit
 
 
 @settings(max_examples=20, deadline=None)
@@ -82,21 +74,20 @@ def test_after_the_ramp_theta_moves_as_with_the_late_step(seed: int, rounds: int
         assert torch.allclose(a, b, atol=1e-5)
 
 
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), clocks=st.lists(st.integers(0, 50), min_size=1, max_size=30),
-       lr0=st.floats(0.1, 2.0), lr1=st.floats(0.1, 2.0), mu0=st.floats(0.0, 0.95), mu1=st.floats(0.0, 0.95),
-       nesterov=st.booleans())
-def test_no_clock_sequence_takes_an_honest_payload_past_peak_gain(seed, clocks, lr0, lr1, mu0, mu1, nesterov):
-    # The receivers' bound assumes |payload| <= peak_gain * |delta|max whatever the clock did: forward, back (a
-    # joiner's few updates pull swarm_rounds down) or jumping. Worst-case deltas: every coordinate at +-1.
-    cfg = OuterConfig(codec="fp32", error_feedback=False, outer_lr=lr0, momentum=mu0, late_lr=lr1,
-                      late_momentum=mu1, nesterov=nesterov)
-    g = torch.Generator().manual_seed(seed)
-    state = OuterState.zeros(16, torch.float32)
-    for c in clocks:
-        d = torch.sign(torch.randn(16, generator=g)) if seed % 2 else torch.ones(16)
-        out = outer_update(d, state, cfg, FP32, replica=at(c))[1]
-        assert float(out.abs().max()) <= cfg.peak_gain() * (1 + 1e-5)
+def test_after_the_ramp_a_sender_clips_to_the_bound_and_every_peer_accepts_its_update() -> None:
+    # Coordinates that move the same way round after round (the worst case the bound is built on): under mu 0.9
+    # the momentum grows the payload past the early step's bound; the sender clips it there, and the bound passes it.
+    spec = RunSpec(outer=OuterConfig(codec="int8"))
+    policy = MergePolicy.from_spec(spec)
+    per_phase = honest_coord_bound(spec) * (1 - spec.outer.momentum)  # the most one phase moves a coordinate
+    state, codec = OuterState.zeros(64, torch.float32), get_codec("int8", 64)
+    clipped = []
+    for _ in range(30):
+        out = outer_update(torch.full((64,), per_phase), state, spec.outer, codec, replica=at(40),
+                           limit=policy.sender_limit)[1]
+        clipped.append(state.clipped)
+        assert policy.screen(out) is None
+    assert clipped[0] == 0 and clipped[-1] == 64  # mu 0.9's payload outgrows 1 / (1 - 0.3) within a few rounds
 
 
 @pytest.mark.parametrize("field,value,match", [
