@@ -20,9 +20,10 @@ Methods: `sync-diloco` (DiLoCo: outer Nesterov lr 0.7, mu 0.9), `async-old` (the
 async default was: the lr schedule on each unit's own steps, remote updates rebased at every step) and
 `async-new` (the RunSpec's and the simulator's defaults now), `async-grace` (with a grace window of 0.5);
 `sync-new` is synchronous DiLoCo with the new outer step, to separate what the outer step gains in lockstep from
-what it gains under async timing (`sync-new-constant`: the same step without its ramp to DiLoCo's after 10 swarm
-rounds; over the 10 rounds here the two are one). `--candidates FILE`
-adds more (a JSON list of {"name", "outer", "inner", "sim"} overrides) for the search that chose the default.
+what it gains under async timing. `sync-ramp`, `async-ramp`, `async-ramp-grace`: the outer step's ramp to DiLoCo's
+after 10 swarm rounds (`outer.schedule ramp`; the same as without over the 10 rounds here, not over 100).
+`--candidates FILE` adds more (a JSON list of {"name", "outer", "inner", "sim"} overrides) for the search that
+chose the default.
 
 Writes a JSON list of rows with `method`, `scenario`, `losses`, `median`, `worst`, `sync_median` (sync DiLoCo's
 median in the same scenario), `round_losses` / `round_median` / `round_worst` (the round view: the model without
@@ -53,9 +54,12 @@ METHODS = {
     "async-old": {"sim": "async", "outer": OLD_OUTER, "inner": OLD_INNER},
     "async-new": {"sim": "async", "outer": {}, "inner": {}},
     "sync-new": {"sim": "sync", "outer": {}, "inner": {}},  # sync DiLoCo with the new outer step, for reference
-    # the new step without its ramp to DiLoCo's (outer.schedule): the same as sync-new over 10 rounds, not over 100
-    "sync-new-constant": {"sim": "sync", "outer": {"schedule": "constant"}, "inner": {}},
     "async-grace": {"sim": "async", "outer": {}, "inner": {}, "grace": 0.5},  # the defaults and a grace window
+    # the new step with its ramp to DiLoCo's after 10 swarm rounds (outer.schedule ramp): over the 10 rounds of the
+    # matrix the same as without; over 100 (long_run.py) not
+    "sync-ramp": {"sim": "sync", "outer": {"schedule": "ramp"}, "inner": {}},
+    "async-ramp": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}},
+    "async-ramp-grace": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}, "grace": 0.5},
 }
 
 

@@ -6,11 +6,10 @@
 
 The simulator, the `test` preset, N=4 units, orderly timing, equal tokens for every method (rounds x N x H
 inner steps, the lr decayed over each unit's rounds x H steps): async p2p DiLoCo with the RunSpec's and the
-simulator's defaults (the outer step's ramp; `async-grace`: and a grace window of 0.5), synchronous DiLoCo
-(outer Nesterov lr 0.7, mu 0.9), synchronous DiLoCo with the default outer step (`sync-new`: the ramp from lr
-1.4 / mu 0.3 to DiLoCo's) and without its ramp (`sync-new-constant`: lr 1.4 / mu 0.3 throughout), and
-data-parallel (one AdamW step on N batches per step). Prints each method's gap to data-parallel at equal tokens
-after 10, 25, 50... rounds: the trend.
+simulator's defaults, synchronous DiLoCo (outer Nesterov lr 0.7, mu 0.9), synchronous DiLoCo with the default
+outer step (lr 1.4, mu 0.3), the outer step's ramp from that to DiLoCo's (`sync-ramp`, `async-ramp`, and with
+a grace window of 0.5 `async-ramp-grace`), and data-parallel (one AdamW step on N batches per step). Prints
+each method's gap to data-parallel at equal tokens after 10, 25, 50... rounds: the trend.
 Writes OUT.json (final losses and curves) and OUT.png (eval loss vs tokens, one panel per H).
 """
 
@@ -28,12 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_timing import METHODS, NOISE, OLD_OUTER, ORDERLY  # noqa: E402  (the timing matrix's definitions)
 
 LONG_METHODS = {"async-new": METHODS["async-new"], "sync-diloco": METHODS["sync-diloco"],
-                "sync-new": METHODS["sync-new"], "sync-new-constant": METHODS["sync-new-constant"],
-                "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
-                "async-grace": METHODS["async-grace"],
+                "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
+                **{name: METHODS[name] for name in ("async-grace", "sync-ramp", "async-ramp", "async-ramp-grace")},
                 # DiLoCo's outer step with the swarm clock: which outer step wins a long run under real timing
                 "async-diloco-step": {"sim": "async", "outer": OLD_OUTER, "inner": {}}}
-DEFAULT_METHODS = "async-new,sync-diloco,sync-new,sync-new-constant,data-parallel"
+DEFAULT_METHODS = "async-new,sync-diloco,sync-new,data-parallel"
 
 
 def run_one(job: tuple) -> dict:

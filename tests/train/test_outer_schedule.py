@@ -29,7 +29,7 @@ def at(rounds: int) -> At:
 
 
 def test_the_ramp_holds_the_early_step_then_moves_linearly_to_the_late_one() -> None:
-    cfg = OuterConfig()
+    cfg = OuterConfig(schedule="ramp")
     assert cfg.step_at(0) == cfg.step_at(10) == (1.4, 0.3)
     assert cfg.step_at(20) == pytest.approx((1.05, 0.6))
     assert cfg.step_at(30) == cfg.step_at(1e9) == pytest.approx((0.7, 0.9))
@@ -39,7 +39,7 @@ def test_the_ramp_holds_the_early_step_then_moves_linearly_to_the_late_one() -> 
 
 def test_the_norm_bound_stays_the_early_steps() -> None:
     # A bound that followed the ramp to mu 0.9 would let an attacker move theta 3.5x further per update
-    ramp, constant = RunSpec(), RunSpec(outer=OuterConfig(schedule="constant"))
+    ramp, constant = RunSpec(outer=OuterConfig(schedule="ramp")), RunSpec()
     per_phase = ramp.inner.inner_steps * ramp.inner.lr * adam_step_bound(ramp.inner.beta1, ramp.inner.beta2)
     assert honest_coord_bound(ramp) == honest_coord_bound(constant) == pytest.approx(per_phase / (1 - 0.3))
     assert MergePolicy.from_spec(ramp).sender_limit == MergePolicy.from_spec(constant).sender_limit
@@ -50,7 +50,7 @@ def test_the_norm_bound_stays_the_early_steps() -> None:
 def test_before_the_ramp_the_update_is_the_constant_steps_bit_for_bit(seed: int, clock: int, rounds: int) -> None:
     # A 10-round run never leaves the early step: its results are the constant schedule's exactly.
     g = torch.Generator().manual_seed(seed)
-    ramp, constant = OuterConfig(codec="fp32"), OuterConfig(codec="fp32", schedule="constant")
+    ramp, constant = OuterConfig(codec="fp32", schedule="ramp"), OuterConfig(codec="fp32")
     s1, s2 = OuterState.zeros(32, torch.float32), OuterState.zeros(32, torch.float32)
     for r in range(rounds):
         d = torch.randn(32, generator=g)
@@ -64,7 +64,7 @@ def test_before_the_ramp_the_update_is_the_constant_steps_bit_for_bit(seed: int,
 def test_after_the_ramp_theta_moves_as_with_the_late_step(seed: int, rounds: int) -> None:
     # Receivers merge at outer_lr (1.4); the sender's payload then moves theta as DiLoCo's step would at its lr.
     g = torch.Generator().manual_seed(seed)
-    ramp = OuterConfig(codec="fp32", error_feedback=False)
+    ramp = OuterConfig(codec="fp32", error_feedback=False, schedule="ramp")
     late = OuterConfig(codec="fp32", error_feedback=False, outer_lr=0.7, momentum=0.9, schedule="constant")
     s1, s2 = OuterState.zeros(32, torch.float32), OuterState.zeros(32, torch.float32)
     for _ in range(rounds):
@@ -77,7 +77,7 @@ def test_after_the_ramp_theta_moves_as_with_the_late_step(seed: int, rounds: int
 def test_after_the_ramp_a_sender_clips_to_the_bound_and_every_peer_accepts_its_update() -> None:
     # Coordinates that move the same way round after round (the worst case the bound is built on): under mu 0.9
     # the momentum grows the payload past the early step's bound; the sender clips it there, and the bound passes it.
-    spec = RunSpec(outer=OuterConfig(codec="int8"))
+    spec = RunSpec(outer=OuterConfig(codec="int8", schedule="ramp"))
     policy = MergePolicy.from_spec(spec)
     per_phase = honest_coord_bound(spec) * (1 - spec.outer.momentum)  # the most one phase moves a coordinate
     state, codec = OuterState.zeros(64, torch.float32), get_codec("int8", 64)
