@@ -166,8 +166,8 @@ class OuterConfig:
     """How the outer step follows the swarm's clock (`swarm_rounds`, train/phase.py): constant, or ramp (outer_lr
     and momentum until `ramp_from` swarm rounds, then linearly to late_lr and late_momentum by `ramp_to`: the step
     that is best over 10 rounds, then DiLoCo's, best over 100). The ramp wants a grace window
-    (`training.grace`): without one the model between two updates swings by up to 20% in loss under mu 0.9
-    (BENCHMARKS.md "The outer step's ramp")."""
+    (`training.grace`): without one, with a data shard per unit, the model between two updates swings by 17-18%
+    in loss under mu 0.9 (BENCHMARKS.md "The outer step's ramp")."""
     late_lr: float = 0.7
     """The ramp's outer lr from `ramp_to` on (DiLoCo's)."""
     late_momentum: float = 0.9
