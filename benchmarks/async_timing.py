@@ -63,6 +63,17 @@ METHODS = {
 }
 
 
+def candidate(c: dict) -> dict:
+    """A method from a `--candidates` entry ({"name", "outer", "inner", "sim", "grace"}, all but name optional)."""
+    return {"sim": c.get("sim", "async"), "outer": c.get("outer", {}), "inner": c.get("inner", {}),
+            **grace_of(c)}
+
+
+def grace_of(method: dict) -> dict:
+    """The method's grace window as SimConfig keywords: its own if it names one, else the simulator's default."""
+    return {"grace": method["grace"]} if "grace" in method else {}
+
+
 def spec_for(method: dict, H: int = 50, budget_per_unit: int = 500):
     from p2p_diloco.config import preset
 
@@ -87,7 +98,7 @@ def run_one(job: tuple) -> dict:
     else:
         timing_seed = seed
     sim = SimConfig(peers=4, total_steps=2000, method=method["sim"], timing_seed=timing_seed,
-                    **({"grace": method["grace"]} if "grace" in method else {}), **sim_over)
+                    **grace_of(method), **sim_over)
     result = simulate(spec, sim)
     return {"method": name, "scenario": scenario, "seed": seed, "loss": result.eval_loss,
             "utilization": statistics.mean(p.utilization for p in result.peers), "sim_time_s": result.sim_time_s,
@@ -206,8 +217,7 @@ def main() -> int:
     methods = {name: METHODS[name] for name in args.methods.split(",") if name}
     if args.candidates:
         for c in json.loads(Path(args.candidates).read_text()):
-            methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
-                                  "inner": c.get("inner", {}), **({"grace": c["grace"]} if "grace" in c else {})}
+            methods[c["name"]] = candidate(c)
     scenarios = {name: {**over, "iid": args.iid}
                  for name, over in {"noise": NOISE, "orderly": ORDERLY, "slow": SLOW, "run-seeds": ORDERLY}.items()}
     jobs = []

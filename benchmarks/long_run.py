@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_timing import METHODS, NOISE, OLD_OUTER, ORDERLY  # noqa: E402  (the timing matrix's definitions)
+from async_timing import METHODS, NOISE, OLD_OUTER, ORDERLY, candidate, grace_of  # noqa: E402  (the matrix's)
 
 LONG_METHODS = {"async-new": METHODS["async-new"], "sync-diloco": METHODS["sync-diloco"],
                 "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
@@ -50,7 +50,7 @@ def run_one(job: tuple) -> dict:
     over = NOISE if timing == "noise" else ORDERLY
     sim = SimConfig(peers=4, total_steps=total, method=method["sim"], timing_seed=seed, iid=iid,
                     eval_every_s=rounds * H * over["step_time_s"] / 25,
-                    **({"grace": method["grace"]} if "grace" in method else {}), **over)  # else the default's
+                    **grace_of(method), **over)
     t0 = time.time()
     result = simulate(spec, sim)
     return {"method": name, "H": H, "rounds": rounds, "timing": timing, "seed": seed, "loss": result.eval_loss,
@@ -127,8 +127,7 @@ def main() -> int:
     methods = dict(LONG_METHODS)
     if args.candidates:
         for c in json.loads(Path(args.candidates).read_text()):
-            methods[c["name"]] = {"sim": c.get("sim", "async"), "outer": c.get("outer", {}),
-                                  "inner": c.get("inner", {}), **({"grace": c["grace"]} if "grace" in c else {})}
+            methods[c["name"]] = candidate(c)
     jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed), args.iid)
             for seed in args.timing_seeds.split(",") for H in args.inner_steps.split(",")
             for name in args.methods.split(",")]
