@@ -25,12 +25,13 @@ def _fail(error: BaseException) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from p2p_diloco.cli.args import load_config
-    from p2p_diloco.net.transport.node import NodeError
 
     try:
         config = load_config(StatusConfig(), args, "status").validate()
     except ValueError as err:
         return _fail(err)
+    from p2p_diloco.net.transport.node import NodeError  # hivemind only once the options are good
+
     try:
         return _watch(config) if config.watch else asyncio.run(_status(config))
     except NodeError as err:

@@ -217,10 +217,11 @@ def with_operators(spec: Any, access: Any) -> Any:
     import dataclasses
 
     from p2p_diloco.config import ConfigError
-    from p2p_diloco.net.admission.invites import load_invitation
 
     operators = access.operator_ids()
     if not operators and access.invite:
+        from p2p_diloco.net.admission.invites import load_invitation  # torch (wire/): only for an invitation
+
         operators = (load_invitation(access.invite).operator,)
     given = tuple(sorted(spec.defence.operators))
     if not operators:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from p2p_diloco.config.admission import AdmissionConfig
 from p2p_diloco.config.errors import require
+from p2p_diloco.config.multiaddrs import check_multiaddr
 from p2p_diloco.config.network import GossipConfig, NetworkConfig, StateSyncConfig, check_status_port
 from p2p_diloco.config.spec import RunSpec
 
@@ -180,4 +181,6 @@ class JoinConfig:
         for section in (self.spec, self.network, self.training, self.checkpoint, self.logging, self.gossip,
                         self.statesync, self.admission):
             section.validate()
+        for address in self.network.bootstrap:  # a typo answers now, before torch and the node load (the doctor
+            check_multiaddr(address, require_peer_id=True)  # checks its own NetworkConfig address by address)
         return self

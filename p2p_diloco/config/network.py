@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2p_diloco.config.errors import require
+from p2p_diloco.config.multiaddrs import check_multiaddr
 
 DEFAULT_BOOTSTRAP_PORT = 31337
 MAX_CHUNK_BYTES = 64 << 20
@@ -178,6 +179,8 @@ class StatusConfig:
 
     def validate(self) -> StatusConfig:
         require(bool(self.bootstrap), "give the swarm's bootstrap multiaddr with --bootstrap")
+        for address in self.bootstrap:
+            check_multiaddr(address, require_peer_id=True)
         require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         require(self.interval_s >= 0.2, f"interval_s must be >= 0.2, got {self.interval_s}")
         require(not (self.watch and self.json), "--watch and --json do not go together")

@@ -55,11 +55,13 @@ def _join_args(*argv: str):
     return build_parser().parse_args(["join", *argv])
 
 
+BOOT = "/ip4/1.2.3.4/tcp/1/p2p/12D3KooWGnTpqbfX2NJGtHVg8BE1L3m8rRmZf1oK7DfFrCqH8ZkF"
+
+
 def test_toml_file_then_command_line_over_it(tmp_path):
     path = tmp_path / "peer.toml"
     path.write_text('[spec]\nrun_id = "mine"\n[spec.inner]\ninner_steps = 7\n[gossip]\nfanout = 5\n'
-                    '[training]\nrounds = 3\n[network]\nbootstrap = ["/ip4/1.2.3.4/tcp/1/p2p/x"]\n'
-                    '[admission.rate]\nburst_s = 4\n')
+                    f'[training]\nrounds = 3\n[network]\nbootstrap = ["{BOOT}"]\n[admission.rate]\nburst_s = 4\n')
     config = join_config(_join_args("--preset", "tiny", "--config", str(path), "--gossip.fanout", "2",
                                     "--rounds", "9", "--spec.inner.lr", "0.01", "--checkpoint-every", "4"))
     tiny = preset("tiny")
@@ -67,7 +69,7 @@ def test_toml_file_then_command_line_over_it(tmp_path):
     assert config.spec.model == tiny.model  # the preset where the file says nothing
     assert config.gossip.fanout == 2 and config.training.rounds == 9  # the command line over the file
     assert config.spec.inner.lr == 0.01 and config.checkpoint.every == 4  # dotted, and an older flat name
-    assert config.network.bootstrap == ("/ip4/1.2.3.4/tcp/1/p2p/x",) and config.admission.rate.burst_s == 4.0
+    assert config.network.bootstrap == (BOOT,) and config.admission.rate.burst_s == 4.0
     assert config.gossip == dataclasses.replace(JoinConfig().gossip, fanout=2)
 
 
@@ -124,3 +126,26 @@ def test_gpus_that_do_not_split_the_batch_are_one_line_before_anything_starts():
     proc = _run("join", "--gpus", "3", "--rounds", "1")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "divisible by 3" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("command, extra", [("join", ["--identity", "id.key"]), ("status", [])])
+def test_a_bad_bootstrap_multiaddr_is_answered_before_torch_or_hivemind_load(tmp_path, command, extra):
+    """The options are checked in config/ (config/multiaddrs.py): a typo answers in a quarter of a second, where the
+    node's imports would take seconds; the same message as the node's own check."""
+    from p2p_diloco.config import ConfigError, NetworkConfig, StatusConfig
+
+    bad = "/ip4/203.0.113.5/tcp/notaport/p2p/12D3KooWxyz"
+    for config in (JoinConfig(network=NetworkConfig(bootstrap=(bad,))), StatusConfig(bootstrap=(bad,))):
+        with pytest.raises(ConfigError, match="bad multiaddr .*invalid base 10 integer; expected e.g. /ip4/"):
+            config.validate()
+    with pytest.raises(ConfigError, match="must end with /p2p/<peer id>"):
+        JoinConfig(network=NetworkConfig(bootstrap=("/ip4/1.2.3.4/tcp/1",))).validate()
+    probe = ("import sys; from p2p_diloco.cli.main import main; rc = main(sys.argv[1:]); "
+             "print(rc, 'torch' in sys.modules, 'hivemind' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, command, "--bootstrap", bad, *extra], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert proc.stdout.split() == ["2", "False", "False"], (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines() == [
+        f"p2p-diloco {command}: error: bad multiaddr '{bad}': Invalid MultiAddr '{bad}': invalid base 10 integer; "
+        "expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."], proc.stderr
+    assert not (tmp_path / "id.key").exists()

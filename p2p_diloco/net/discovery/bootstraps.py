@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from multiaddr import Multiaddr
 
-from p2p_diloco.net.transport.node import MULTIADDR_EXAMPLE, NodeError, parse_multiaddr
+from p2p_diloco.config.multiaddrs import MULTIADDR_EXAMPLE
+from p2p_diloco.net.transport.node import NodeError, parse_multiaddr
 
 BAD_ADDRESS_FIX = ("bad address: correct it to /ip4/IP/tcp/PORT/p2p/PEER_ID (or /dns/NAME/...), as the bootstrap "
                    "printed it")

@@ -29,8 +29,9 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 from multiaddr import Multiaddr as _PyMultiaddr
-from multiaddr.exceptions import Error as _MultiaddrError
 
+from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.config.multiaddrs import MULTIADDR_EXAMPLE, check_multiaddr
 from p2p_diloco.net.transport import relay
 from p2p_diloco.net.transport.dht_process import (
     await_mp,
@@ -44,7 +45,6 @@ from p2p_diloco.net.transport.dht_process import (
 
 logger = logging.getLogger(__name__)
 
-MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
 REACHABILITY_MODES = ("public", "private")
 _RETRY_FIRST_DELAY_S = 1.0
 _RETRY_MAX_DELAY_S = 8.0
@@ -102,33 +102,23 @@ class NodeConfig:
 
 
 def parse_multiaddr(s: str, *, require_peer_id: bool = False) -> str:
-    """Validate one multiaddr string (PyPI `multiaddr`) and return it normalized; NodeError says why not.
+    """Validate one multiaddr string and return it normalized; NodeError says why not (config/multiaddrs.py's
+    check, which `--bootstrap` also gets when the options are read, and the peer id as hivemind reads it).
 
     With `require_peer_id`, the address must end in /p2p/<peer id> (as bootstrap addresses must).
     """
-    def bad(why: str) -> NodeError:
-        return NodeError(f"bad multiaddr '{s}': {why}; expected e.g. {MULTIADDR_EXAMPLE}")
-
-    if not isinstance(s, str) or not s.strip():
-        raise bad("empty")
-    if not s.startswith("/"):
-        raise bad("it must start with '/'")
     try:
-        maddr = _PyMultiaddr(s)
-    except (_MultiaddrError, ValueError, TypeError) as e:
-        raise bad(str(e).split(" (string:")[0]) from None
-    names = [p.name for p in maddr.protocols()]
-    if names[0] not in ("ip4", "ip6", "dns", "dns4", "dns6", "p2p"):
-        raise bad(f"it must start with an address (/ip4, /ip6, /dns...), not /{names[0]}")
+        normal = check_multiaddr(s, require_peer_id=require_peer_id)
+    except ConfigError as err:
+        raise NodeError(str(err)) from None
     if require_peer_id:
-        if names[-1] != "p2p":
-            raise bad("it must end with /p2p/<peer id> of the node you connect to")
-        peer_id = maddr.value_for_protocol("p2p")
+        peer_id = _PyMultiaddr(normal).value_for_protocol("p2p")
         try:
             PeerID.from_base58(peer_id)
         except Exception:
-            raise bad(f"'{peer_id}' is not a peer id") from None
-    return str(maddr)
+            raise NodeError(f"bad multiaddr '{s}': '{peer_id}' is not a peer id; expected e.g. "
+                            f"{MULTIADDR_EXAMPLE}") from None
+    return normal
 
 
 def _dht_kwargs(identity_path: str, config: NodeConfig,
