@@ -59,6 +59,8 @@ def negated() -> dict:
     return _hostile()[1]
 
 
+@pytest.mark.slow  # two runs of 6 peers (30 s of CPU); the default suite keeps graduation's representative (the
+# late volunteer above) and a crowd whose work gets nothing in (tests/sim/test_sponsorship_swarm.py)
 def test_sleepers_graduate_and_then_strike_and_none_of_their_strikes_gets_in(negated: dict) -> None:
     sleepers, slept = _hostile(sleeper=RECORD)
     assert slept["finite"] and slept["divergence"] < 1e-6
