@@ -24,7 +24,8 @@ pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the 
 
 
 @pytest.mark.parametrize("outer", [{}, {"momentum": 0.9, "outer_lr": 0.7},
-                                   {"momentum_source": "swarm", "momentum": 0.5}],
+                                   pytest.param({"momentum_source": "swarm", "momentum": 0.5},
+                                                marks=pytest.mark.slow)],  # an opt-in step: the slow set's
                          ids=["default", "diloco", "swarm-momentum"])
 def test_with_zero_delay_async_is_sync_diloco(corpus, outer):
     spec = dataclasses.replace(BASE, outer=dataclasses.replace(BASE.outer, codec="fp32", **outer))
