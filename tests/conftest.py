@@ -68,10 +68,11 @@ def members(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One torch thread per xdist worker and per process a test starts: 4 workers on 2 cores each running torch's
-    default 2 threads spin against each other (a simulation ran 20x slower), and so did the peers the swarm tests
-    start (torch reads OMP_NUM_THREADS when it loads; the children inherit it): beside them the 10-identity crowd
-    test took 72 s in the suite and 6 s alone."""
+    """One torch thread per xdist worker: 4 workers on 2 cores each running torch's default 2 threads spin against
+    each other (a simulation ran 20x slower). OMP_NUM_THREADS=1 does the same for the processes a test starts
+    without --torch-threads (torch reads it when it loads; the children inherit it); it did not change the suite's
+    time measurably (320 s either way). Why an in-process test beside the swarms is still 10x slower than alone
+    (72 s against 6 s): tests/helpers/swarm.py `Launcher.peer`, on the kernel's autogroups."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch

@@ -199,7 +199,12 @@ class Launcher:
     def peer(self, name: str, bootstrap: str | None, *extra: str, rounds: int = 0, linger_s: float = 60,
              base: tuple[str, ...] = PEER_ARGS, nice: int = 0, prefix: tuple[str, ...] = ()) -> Proc:
         """A `join` peer with its own identity, JSON log and out dir (named after `name`). `nice` lowers its CPU
-        priority: peers that train at full speed then leave room for one that is starting up."""
+        priority: peers that train at full speed then leave room for one that is starting up. Only against
+        processes of its own session, where the kernel has autogroups (sched_autogroup_enabled = 1, as on the
+        machines here): every peer has a session of its own (start_new_session) and each session gets an equal
+        share, the 4 pytest workers one between them, so beside the swarms an in-process test runs ~10x slower
+        than alone. Niceing the autogroup too starved niced peers and failed 3 swarm tests; a session per worker
+        made the suite slower (330 s against ~310 s): both tried and left out."""
         json_log, out_dir = self.workdir / f"{name}.jsonl", self.workdir / f"{name}-state"
         argv = cli("join", *base, "--identity", str(self.workdir / f"{name}.key"), "--json-log", str(json_log),
                    "--out-dir", str(out_dir), "--rounds", str(rounds), "--linger-s", str(linger_s), *extra)

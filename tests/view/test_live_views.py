@@ -39,7 +39,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("live-views")
     with Launcher(workdir) as launcher:
         boot, bootstrap = launcher.bootstrap(extra=("--status-port", "0"))
-        # niced: they train flat out for the whole module, and would take their cores from the suite's other tests
+        # niced like the other swarms' peers: they train flat out for the whole module (where the kernel has
+        # autogroups, as here, nice does not lower their share against other sessions: `Launcher.peer`)
         peers = [launcher.peer(name, bootstrap, "--status-port", "0", nice=10) for name in ("a", "b")]
         for proc in peers:
             proc.wait_rounds(2, timeout_s=120)
