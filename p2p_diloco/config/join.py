@@ -75,8 +75,9 @@ class TrainingConfig:
     grace: float = 0.0
     """After each round, wait at most this share of the phase just done for the other units' updates of the round
     (those one update short of ours, and after the first round the live units with none yet; train/grace.py): what
-    async pays for its timing shrinks, for that idle time (BENCHMARKS.md "The grace window"). 0: never wait (the
-    default: in lockstep, sponsors judged a late volunteer's honest work below the graduation threshold)."""
+    async pays for its timing shrinks, for that idle time (BENCHMARKS.md "The grace window"). In a run with
+    sponsors only they wait, for one another. 0: never wait (the default: the window stays opt-in until the
+    sponsors' judge is robust to a proposer's phase offset, BENCHMARKS "The outer step's ramp")."""
 
     def validate(self) -> TrainingConfig:
         require(self.num_shards >= 1, f"num_shards must be >= 1, got {self.num_shards}")

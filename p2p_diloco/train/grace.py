@@ -23,18 +23,32 @@ awaited). The wait is a choice of each unit's timing, not of the merge: replicas
 
 A unit that leads waits, which pulls it back towards the others: units whose start was spread settle into step
 after a few rounds, and then only the latency and the phase jitter are waited for.
+
+**In a run with founders** (sync/sponsorship.py) only the sponsors wait, and only for one another. Everyone
+else's update is a proposal that merges at weight 0, so no replica's next base is better for awaiting it; and a
+volunteer that waits is put in step with the sponsors, so its proposal lands just before the sponsors' round it
+was trained beside and is judged against the round before, whose direction it shares far less (cosine 0.06-0.21
+against 0.32-0.38: an honest late volunteer copied by a crowd never graduated; BENCHMARKS "The outer step's
+ramp"). Sponsors are named, so their first window awaits the ones not yet heard from by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from p2p_diloco.sync.version_vector import VersionVector
 
 
-def awaited(vv: VersionVector, me: str, live: int = 0) -> list[str]:
+def awaited(vv: VersionVector, me: str, live: int = 0, sponsors: Collection[str] = ()) -> list[str]:
     """Authors whose next update the grace window waits for: those exactly one update short of `me`. After our
     first round, the units short of it hold no update yet and are not in `vv`: of `live` units (ourselves
-    included, as the swarm view counts them), those missing from it are awaited too, as "?"."""
+    included, as the swarm view counts them), those missing from it are awaited too, as "?". In a run with
+    `sponsors`, a sponsor awaits only the other sponsors and anyone else awaits nobody."""
     mine = vv.get(me)
+    if sponsors:
+        if me not in sponsors:
+            return []
+        return sorted(s for s in sponsors if s != me and vv.get(s) == mine - 1)
     short = sorted(sender for sender in vv if sender != me and vv[sender] == mine - 1)
     if mine == 1:
         short += ["?"] * max(0, live - 1 - sum(1 for sender in vv if sender != me))

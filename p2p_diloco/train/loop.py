@@ -241,7 +241,7 @@ def _grace(learner: Learner, live: int, hooks: Hooks, until: float, stop: thread
     `live`: the units the swarm view counted at the last round's end."""
     began = None
     while hooks.now() < until and not (stop.is_set() or finish.is_set()):
-        authors = awaited(learner.replica.version_vector, learner.peer_id, live)
+        authors = awaited(learner.replica.version_vector, learner.peer_id, live, learner.spec.defence.sponsors)
         if not authors:
             break
         began = hooks.now() if began is None else began

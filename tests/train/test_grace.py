@@ -71,6 +71,17 @@ def run_until_wait(ticks, clock: Clock) -> list:
     return seen
 
 
+def test_in_a_run_with_sponsors_only_sponsors_wait_and_only_for_one_another() -> None:
+    sponsors = ("s1", "s2", "s3")
+    vv = VersionVector({"s1": 2, "s2": 1, "s3": 2, "vol": 1})
+    assert awaited(vv, "s1", live=4, sponsors=sponsors) == ["s2"]  # the volunteer, one short too, is not awaited
+    assert awaited(vv, "vol", live=4, sponsors=sponsors) == []  # a proposer never waits
+    assert awaited(VersionVector({"vol": 2, "s1": 3}), "vol", sponsors=sponsors) == []
+    # after a sponsor's first round, the sponsors not heard from yet are awaited by name (not by the view's count)
+    assert awaited(VersionVector({"s2": 1, "vol": 1}), "s2", live=1, sponsors=sponsors) == ["s1", "s3"]
+    assert awaited(VersionVector({"s2": 3, "s1": 1}), "s2", live=4, sponsors=sponsors) == []  # s1, s3 far behind
+
+
 def test_the_loop_waits_for_the_round_and_goes_on_once_the_awaited_update_lands(corpus) -> None:
     a, b, b_updates, intake, clock, ticks = a_round_behind(corpus)
     seen = run_until_wait(ticks, clock)
@@ -135,6 +146,20 @@ def test_in_the_simulator_units_wait_until_the_round_lands_or_the_window_ends(co
         assert all(0 < w < window - 0.1 for i, w in enumerate(peer.waits) if i != 2)
     dead = graced.peers[1]
     assert not dead.alive and len(dead.waits) == 2 and all(w < window + 1e-9 for w in dead.waits)
+
+
+@pytest.mark.corpus_mb(1.0)
+def test_in_a_simulated_run_with_sponsors_the_proposer_never_waits(corpus) -> None:
+    # 2 sponsors and a volunteer, latency 30% of a phase: the sponsors wait after every round but the last (for
+    # each other), the volunteer's update merges at weight 0 everywhere, so nobody waits for it and it waits for
+    # nobody (train/grace.py).
+    sim = SimConfig(peers=3, sponsors=2, total_steps=3 * 20 * 4, step_time_s=0.05, latency_s=0.3, grace=0.5,
+                    eval_batches=1)
+    result = simulate(SIM_SPEC, sim, corpus)
+    assert result.divergence < 1e-5
+    sponsors, volunteer = result.peers[:2], result.peers[2]
+    assert all(len(p.waits) == 3 and all(0 < w < 0.5 * 20 * sim.step_time_s for w in p.waits) for p in sponsors)
+    assert not volunteer.waits and volunteer.utilization > 0.99
 
 
 @pytest.mark.parametrize("grace", [-0.1, 4.5])
