@@ -50,7 +50,7 @@ class SimConfig:
     instead of a file shard each."""
     grace: float = 0.0
     """Async units wait after each round, at most this share of the phase, for the round's other updates
-    (train/grace.py; the join config's `grace`)."""
+    (train/grace.py; the join config's `grace`; in a run with sponsors only they wait, for one another)."""
     eval_every_s: float = 0.0
     """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
     eval_batches: int = 8
