@@ -30,9 +30,11 @@ from p2p_diloco.sync.authors import MAX_INHERITED
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.train.data.corpus import Corpus
 from p2p_diloco.train.learner import SwarmView
-from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
+from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update, make_update
 from p2p_diloco.wire.identity import Identity
 
+CROWD = "crowd"
+"""The causal crowd's endpoint on the network (`CrowdAttack.causal`)."""
 EXACT = ("sign_flip", "scale", "copy")
 """Plain modes whose payload is the same for every identity."""
 PROVEN_WINDOW_ROUNDS = 8
@@ -47,6 +49,12 @@ class CrowdAttack:
     count: str = "proven"  # proven | records: who counts in the swarm's size
     after: int = 0  # the crowd copies the source's updates from its seq after+1 on (0: from its first)
     source: int = 0  # the index of the peer whose updates the crowd copies (a joiner's: it copies a newcomer)
+    causal: bool = False
+    """The crowd copies only what it holds: it is one more endpoint of the network (`CROWD`, among the source's
+    gossip targets, behind its uplink like any peer), and its copies leave once the source's update has reached
+    it. False: they leave the instant the source publishes, each identity on its own uplink, so under latency
+    jitter they beat the original to nearly every peer; no real crowd can send what it has not received, so that
+    is the strongest crowd imaginable, not one that exists."""
 
 
 class CrowdSwarm(HostileSwarm):
@@ -64,7 +72,9 @@ class CrowdSwarm(HostileSwarm):
 
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         peer = super()._add_peer(speed, state)
-        if peer.index == self.attack.source and self.crowd:
+        if peer.index == self.attack.source and self.crowd and self.attack.causal:
+            self.net.attach(CROWD, lambda data, sender: self._crowd_receives(peer, data, sender))
+        elif peer.index == self.attack.source and self.crowd:
             honest_publish = peer.exchange.publish
 
             def publish(update: OuterUpdate) -> None:
@@ -89,6 +99,11 @@ class CrowdSwarm(HostileSwarm):
         for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):
             peer.intake.receive(stored_envelope(update))
         self.queue.push(self.queue.now + sync_s, self._start_phase, peer)
+
+    def _crowd_receives(self, source: SimPeer, data: bytes, sender: str) -> None:
+        """The causal crowd holds the source's update now (other senders' it ignores): copies leave."""
+        if sender == source.learner.peer_id and source.alive:
+            self._crowd_publishes(source, decode_update(data, max_bytes=len(data)))
 
     def _crowd_publishes(self, source: SimPeer, honest: OuterUpdate) -> None:
         if honest.seq <= self.attack.after:
