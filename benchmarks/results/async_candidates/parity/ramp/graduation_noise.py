@@ -6,9 +6,11 @@ the sponsors' concurrent round, with one 0.2 s before it). Prints, per run, the 
 each sponsor relayed as a member's (null: none of its 7), how many copiers graduated anywhere, the honest eval
 loss and the replicas' divergence.
 
-    python benchmarks/results/async_candidates/parity/ramp/graduation_noise.py GRACE SEED [everyone]
+    python benchmarks/results/async_candidates/parity/ramp/graduation_noise.py GRACE SEED [everyone] [causal]
 
 `everyone`: the window as it was before a run with sponsors waited only for sponsors (everyone awaits everyone).
+`causal`: the crowd copies only what it has received (sim/crowd.py `CrowdAttack.causal`); without it its copies
+leave the instant the volunteer publishes.
 """
 import json
 import sys
@@ -22,18 +24,20 @@ from p2p_diloco.train.data.corpus import load_corpus
 from tests.sim.test_graduation_swarm import STEPS, _spec
 
 grace, seed = float(sys.argv[1]), int(sys.argv[2])
-if sys.argv[3:] == ["everyone"]:
+extra = sys.argv[3:]
+if "everyone" in extra:
     L.awaited = lambda vv, me, live=0, sponsors=(): G.awaited(vv, me, live)
 spec = _spec()
 sim = SimConfig(peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8, eval_every_s=float(STEPS),
                 join=(f"{STEPS // 6}",), grace=grace, phase_jitter=0.15, latency_jitter_s=0.1, start_spread_s=1.0,
                 timing_seed=seed)
-swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(10, "copy", source=3))
+swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(10, "copy", source=3, causal="causal" in extra))
 summary = swarm.honest_summary(swarm.run())
 by_seq = swarm.relayed_by_seq(swarm.peers[3].learner.peer_id)
 first = [min((s for s, shares in by_seq.items() if shares[i] > 0), default=None) for i in range(3)]
 crowd = {identity.peer_id for identity in swarm.crowd}
 copiers = sum(len(set(p.learner.replica.standing.sponsorship.graduates) & crowd) for p in swarm.peers[:3])
-print(json.dumps({"grace": grace, "window": sys.argv[3] if sys.argv[3:] else "sponsors", "seed": seed,
+print(json.dumps({"grace": grace, "window": "everyone" if "everyone" in extra else "sponsors", "seed": seed,
+                  "crowd": "causal" if "causal" in extra else "instant",
                   "member_from": first, "copiers_graduated": copiers, "eval_loss": round(summary["eval_loss"], 4),
                   "divergence": summary["divergence"]}))
