@@ -18,10 +18,11 @@ Scenarios (the `test` preset, N=4, H=50, 2,000 inner steps in all, lr decayed ov
 
 Methods: `sync-diloco` (DiLoCo: outer Nesterov lr 0.7, mu 0.9), `async-old` (the same outer step, as the
 async default was: the lr schedule on each unit's own steps, remote updates rebased at every step) and
-`async-new` (the RunSpec's and the simulator's defaults now), `async-grace` (with a grace window of 0.5);
+`async-new` (the RunSpec's and the simulator's defaults now: a grace window of 0.5), `async-grace` (the same,
+named), `async-no-window` (the defaults with no window, the default before);
 `sync-new` is synchronous DiLoCo with the new outer step, to separate what the outer step gains in lockstep from
-what it gains under async timing. `sync-ramp`, `async-ramp`, `async-ramp-grace`: the outer step's ramp to DiLoCo's
-after 10 swarm rounds (`outer.schedule ramp`; the same as without over the 10 rounds here, not over 100).
+what it gains under async timing. `sync-ramp`, `async-ramp` (no window), `async-ramp-grace`: the outer step's ramp
+to DiLoCo's after 10 swarm rounds (`outer.schedule ramp`; the same as without over the 10 rounds here, not over 100).
 `--candidates FILE` adds more (a JSON list of {"name", "outer", "inner", "sim"} overrides) for the search that
 chose the default.
 
@@ -51,14 +52,15 @@ OLD_OUTER = {"outer_lr": 0.7, "momentum": 0.9, "nesterov": True}
 OLD_INNER = {"schedule_clock": "own", "rebase_window": 1.0}
 METHODS = {
     "sync-diloco": {"sim": "sync", "outer": OLD_OUTER, "inner": OLD_INNER},
-    "async-old": {"sim": "async", "outer": OLD_OUTER, "inner": OLD_INNER},
-    "async-new": {"sim": "async", "outer": {}, "inner": {}},
+    "async-old": {"sim": "async", "outer": OLD_OUTER, "inner": OLD_INNER, "grace": 0.0},
+    "async-new": {"sim": "async", "outer": {}, "inner": {}},  # the defaults: the grace window of 0.5 since it
+    "async-no-window": {"sim": "async", "outer": {}, "inner": {}, "grace": 0.0},  # became one; the default before
     "sync-new": {"sim": "sync", "outer": {}, "inner": {}},  # sync DiLoCo with the new outer step, for reference
     "async-grace": {"sim": "async", "outer": {}, "inner": {}, "grace": 0.5},  # the defaults and a grace window
     # the new step with its ramp to DiLoCo's after 10 swarm rounds (outer.schedule ramp): over the 10 rounds of the
     # matrix the same as without; over 100 (long_run.py) not
     "sync-ramp": {"sim": "sync", "outer": {"schedule": "ramp"}, "inner": {}},
-    "async-ramp": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}},
+    "async-ramp": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}, "grace": 0.0},
     "async-ramp-grace": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}, "grace": 0.5},
 }
 

@@ -28,7 +28,8 @@ from async_timing import METHODS, NOISE, OLD_OUTER, ORDERLY, candidate, grace_of
 
 LONG_METHODS = {"async-new": METHODS["async-new"], "sync-diloco": METHODS["sync-diloco"],
                 "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
-                **{name: METHODS[name] for name in ("async-grace", "sync-ramp", "async-ramp", "async-ramp-grace")},
+                **{name: METHODS[name] for name in ("async-grace", "async-no-window", "sync-ramp", "async-ramp",
+                                                    "async-ramp-grace")},
                 # DiLoCo's outer step with the swarm clock: which outer step wins a long run under real timing
                 "async-diloco-step": {"sim": "async", "outer": OLD_OUTER, "inner": {}}}
 DEFAULT_METHODS = "async-new,sync-diloco,sync-new,data-parallel"

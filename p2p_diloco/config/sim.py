@@ -48,7 +48,7 @@ class SimConfig:
     iid: bool = False
     """Every unit samples the whole training split, each its own stream (as units reading a token dataset do),
     instead of a file shard each."""
-    grace: float = 0.0
+    grace: float = 0.5
     """Async units wait after each round, at most this share of the phase, for the round's other updates
     (train/grace.py; the join config's `grace`; in a run with sponsors only they wait, for one another)."""
     eval_every_s: float = 0.0

@@ -32,6 +32,7 @@ NICE = 10
 START_S = 90  # start-up of one process (imports, corpus, DHT) on a loaded 2-core machine, with margin
 MAX_ROUND_GAP_S = 10.0  # gossip's rpc_timeout_s: no peer may stall longer than a network timeout
 GRACE = ("--training.grace", "0.5")  # A waits after each round, up to half a phase, for the others' (train/grace.py)
+NO_GRACE = ("--training.grace", "0")  # B and C never wait
 
 
 @dataclass
@@ -54,7 +55,7 @@ def scenario(tmp_path_factory) -> Scenario:
     workdir = tmp_path_factory.mktemp("swarm")
     with Launcher(workdir) as launcher:
         boot, bootstrap = launcher.bootstrap()
-        main = [launcher.peer(name, bootstrap, *(GRACE if name == "A" else ()), rounds=0, linger_s=120, nice=NICE)
+        main = [launcher.peer(name, bootstrap, *(GRACE if name == "A" else NO_GRACE), rounds=0, linger_s=120, nice=NICE)
                 for name in ("A", "B", "C")]
         victim = launcher.peer("V", bootstrap, rounds=0, nice=NICE)
         s = Scenario(workdir, boot, bootstrap, main, victim, joiner=None)  # type: ignore[arg-type]

@@ -56,7 +56,8 @@ def test_baselines_train_on_the_same_budget(corpus, method):
 
 
 def test_slow_peer_makes_sync_wait_but_not_async(corpus):
-    base = SimConfig(peers=2, total_steps=2 * 20 * 2, speeds=("1", "0.25"), eval_batches=1)
+    # (no grace window: it would have the fast unit wait once, after its first round, for the slow one's update)
+    base = SimConfig(peers=2, total_steps=2 * 20 * 2, speeds=("1", "0.25"), eval_batches=1, grace=0.0)
     sync = simulate(SPEC, dataclasses.replace(base, method="sync"), corpus)
     async_ = simulate(SPEC, base, corpus)
     assert sync.sim_time_s >= 2 * 20 * 4  # two rounds, each as long as the slow peer's 80 s phase
@@ -98,7 +99,7 @@ def test_timing_noise_is_seeded_and_changes_only_the_timing(corpus):
     """Staggered starts and jittered phases/latency: replicas still agree, the run is reproducible per
     timing seed, and another timing seed gives another (but equally complete) run."""
     noisy = SimConfig(peers=3, total_steps=3 * 20 * 2, eval_batches=2, step_time_s=0.05, latency_s=0.1,
-                      latency_jitter_s=0.4, start_spread_s=1.5, phase_jitter=0.3)
+                      latency_jitter_s=0.4, start_spread_s=1.5, phase_jitter=0.3, grace=0.0)  # (waiting is idling)
     first, again = simulate(SPEC, noisy, corpus), simulate(SPEC, noisy, corpus)
     other = simulate(SPEC, dataclasses.replace(noisy, timing_seed=1), corpus)
     assert first.eval_loss == again.eval_loss and first.sim_time_s == again.sim_time_s
@@ -140,7 +141,8 @@ def test_the_round_view_leaves_out_the_round_under_way(corpus):
     """A unit at half speed: under the swarm's token budget the fast one makes 4 phases, the slow one 2. The round
     view (sync/round_view.py) is the model without the fast unit's last 2 updates; with a complete round it is the
     model itself, and a synchronous run is always at one."""
-    base = SimConfig(peers=2, total_steps=2 * 20 * 3, speeds=("1", "0.5"), eval_batches=2)
+    # (no grace window: the fast unit would wait for the slow one's first update and make 3 phases, not 4)
+    base = SimConfig(peers=2, total_steps=2 * 20 * 3, speeds=("1", "0.5"), eval_batches=2, grace=0.0)
     uneven = simulate(SPEC, base, corpus)
     assert sorted(p.steps for p in uneven.peers) == [40, 80]
     assert uneven.round_loss is not None and abs(uneven.round_loss - uneven.eval_loss) > 1e-3

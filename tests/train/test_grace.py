@@ -129,7 +129,7 @@ def test_in_the_simulator_units_wait_until_the_round_lands_or_the_window_ends(co
     # Unit 1 dies in its third phase: the others wait for its third update once, for the whole window, and then
     # no more (it falls two short). (It died waiting: its last window lasted until then.)
     base = SimConfig(peers=3, total_steps=3 * 20 * 5, step_time_s=0.05, latency_s=0.3, crash=("1@2.5",),
-                     eval_batches=1)
+                     eval_batches=1, grace=0.0)
     plain = simulate(SIM_SPEC, base, corpus)
     graced = simulate(SIM_SPEC, dataclasses.replace(base, grace=0.5), corpus)
     for result in (plain, graced):
