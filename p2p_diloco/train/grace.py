@@ -25,11 +25,12 @@ A unit that leads waits, which pulls it back towards the others: units whose sta
 after a few rounds, and then only the latency and the phase jitter are waited for.
 
 **In a run with founders** (sync/sponsorship.py) only the sponsors wait, and only for one another. Everyone
-else's update is a proposal that merges at weight 0, so no replica's next base is better for awaiting it; and a
-volunteer that waits is put in step with the sponsors, so its proposal lands just before the sponsors' round it
-was trained beside and is judged against the round before, whose direction it shares far less (cosine 0.06-0.21
-against 0.32-0.38: an honest late volunteer copied by a crowd never graduated; BENCHMARKS "The outer step's
-ramp"). Sponsors are named, so their first window awaits the ones not yet heard from by name.
+else's update is a proposal that merges at weight 0 on every replica, so no replica's next base is better for
+awaiting it, and a crowd of proposers cannot hold the sponsors' rounds. Sponsors are named, so their first window
+awaits the ones not yet heard from by name. A proposer's timing against the sponsors' rounds still matters to
+their judge, which compares a proposal with their latest work (BENCHMARKS "The outer step's ramp": with no timing
+noise the window's fixed offset has a volunteer's proposals judged against the round before their own; under
+noise, copy races decide whether a crowd-copied volunteer graduates).
 """
 
 from __future__ import annotations
