@@ -53,8 +53,9 @@ class CrowdAttack:
     """The crowd copies only what it holds: it is one more endpoint of the network (`CROWD`, among the source's
     gossip targets, behind its uplink like any peer), and its copies leave once the source's update has reached
     it. False: they leave the instant the source publishes, each identity on its own uplink, so under latency
-    jitter they beat the original to nearly every peer; no real crowd can send what it has not received, so that
-    is the strongest crowd imaginable, not one that exists."""
+    jitter they often beat the original (10 of 32 arrivals in tests/sim/test_crowd_causal.py, 17 of 18 judgments
+    in the graduation scenario's noise); no real crowd can send what it has not received, so that is the
+    strongest crowd imaginable, not one that exists."""
 
 
 class CrowdSwarm(HostileSwarm):
@@ -72,16 +73,18 @@ class CrowdSwarm(HostileSwarm):
 
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
         peer = super()._add_peer(speed, state)
-        if peer.index == self.attack.source and self.crowd and self.attack.causal:
+        if peer.index != self.attack.source or not self.crowd:
+            return peer
+        if self.attack.causal:
             self.net.attach(CROWD, lambda data, sender: self._crowd_receives(peer, data, sender))
-        elif peer.index == self.attack.source and self.crowd:
-            honest_publish = peer.exchange.publish
+            return peer
+        honest_publish = peer.exchange.publish
 
-            def publish(update: OuterUpdate) -> None:
-                honest_publish(update)
-                self._crowd_publishes(peer, update)
+        def publish(update: OuterUpdate) -> None:
+            honest_publish(update)
+            self._crowd_publishes(peer, update)
 
-            peer.exchange.publish = publish  # type: ignore[method-assign]
+        peer.exchange.publish = publish  # type: ignore[method-assign]
         return peer
 
     def _join(self) -> None:

@@ -1,6 +1,6 @@
 """The causal crowd (sim/crowd.py `CrowdAttack.causal`): a crowd can copy only what has reached it, so no copy
 arrives anywhere sooner than two network hops after the original left; the instant crowd (the default, the
-strongest imaginable) sends its copies as the original leaves and, under latency jitter, beats it to most peers."""
+strongest imaginable) sends its copies as the original leaves and, under latency jitter, often beats it."""
 
 from __future__ import annotations
 
