@@ -3,7 +3,7 @@
     python examples/local_swarm.py                      # 3 peers, the tiny "test" model, 60 rounds each
     python examples/local_swarm.py --peers 4 --rounds 30 -- --preset tiny --codec int4
 
-Every peer gets its own identity (in a temporary folder), its own data shard and its own JSON log; the table
+Every peer gets its own identity (in a temporary folder), its own data stream and its own JSON log; the table
 below is redrawn from those logs as rounds complete. When every peer has done its rounds, each one lingers
 until the swarm is quiet (all replicas hold the same updates), writes its replica and exits; the script then
 prints each peer's final eval loss, how closely the replicas agree, and the bytes each one sent.
@@ -113,8 +113,15 @@ def fmt_mb(n: float) -> str:
     return f"{n / 1e6:.1f}MB"
 
 
+def data_of(start: dict) -> str:
+    """What a peer reads: `all` (the whole split, its own stream: the default) or its shard of the text."""
+    if not start:
+        return ""
+    return "all" if start.get("num_shards", 1) == 1 else f"{start.get('shard')}/{start.get('num_shards')}"
+
+
 def table(peers: list[tuple[str, Child, Path]], rounds: int) -> list[str]:
-    lines = [f"{'peer':<6} {'id':<9} {'shard':>5} {'round':>9} {'loss':>6} {'eval':>6} {'peers':>5} {'V':>5} "
+    lines = [f"{'peer':<6} {'id':<9} {'data':>5} {'round':>9} {'loss':>6} {'eval':>6} {'peers':>5} {'V':>5} "
              f"{'sent':>8} {'merged':>6} {'util':>5}  state"]
     for name, child, log in peers:
         events = read_events(log)
@@ -129,7 +136,7 @@ def table(peers: list[tuple[str, Child, Path]], rounds: int) -> list[str]:
         eval_text = f"{last_eval:6.3f}" if last_eval is not None else f"{'-':>6}"
         loss_text = f"{last['loss']:6.3f}" if last else f"{'-':>6}"
         lines.append(
-            f"{name:<6} {start.get('peer_id', '')[-8:]:<9} {start.get('shard', ''):>5} "
+            f"{name:<6} {start.get('peer_id', '')[-8:]:<9} {data_of(start):>5} "
             f"{str(last.get('round', 0)) + '/' + str(rounds):>9} {loss_text} {eval_text} {last.get('peers', ''):>5} "
             f"{last.get('vv_total', ''):>5} {fmt_mb(last.get('bytes_sent', 0)):>8} {last.get('merged', ''):>6} "
             f"{last.get('utilization', 0):>5.0%}  {state}")
@@ -213,8 +220,8 @@ def main() -> int:
             name = f"peer{i}"
             log = workdir / f"{name}.jsonl"
             argv = cli("join", "--bootstrap", bootstrap, "--preset", args.preset, "--identity",
-                       str(workdir / f"{name}.key"), "--shard", str(i), "--num-shards", str(args.peers),
-                       "--rounds", str(args.rounds), "--linger-s", "120", "--eval-every", "5",
+                       str(workdir / f"{name}.key"), "--rounds", str(args.rounds), "--linger-s", "120",
+                       "--eval-every", "5",
                        "--json-log", str(log), "--out-dir", str(workdir / f"{name}-state"),
                        "--torch-threads", threads, *extra)
             child = Child(name, argv, workdir)

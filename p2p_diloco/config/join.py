@@ -54,8 +54,11 @@ class TrainingConfig:
     """CPU threads for torch (0: torch's default; 1 when several peers share a machine)."""
     shard: int = -1
     """Data shard to train on (-1: int(sha256(peer id)) mod num_shards)."""
-    num_shards: int = 16
-    """Number of disjoint data shards the training text is cut into."""
+    num_shards: int = 1
+    """Number of disjoint data shards the training text is cut into. 1 (the default): every unit samples the whole
+    training split in a stream of its own (batches salted by its PeerID), as units reading a token dataset do;
+    with N > 1, two units whose PeerIDs hash to one shard read the same bytes all run, and each unit's updates
+    pull theta towards its own slice of the text (BENCHMARKS.md "The end of a long run")."""
     eval_every: int = 5
     """Eval loss of the replica every this many rounds (0: only at the start and at the end)."""
     eval_batches: int = 4

@@ -45,9 +45,9 @@ class SimConfig:
     sponsors: int = 0
     """The first this many peers are the run's sponsors (their keys in the spec's `defence.sponsors`): a run with
     founders (sync/sponsorship.py). 0: the spec's own list."""
-    iid: bool = False
-    """Every unit samples the whole training split, each its own stream (as units reading a token dataset do),
-    instead of a file shard each."""
+    iid: bool = True
+    """Every unit samples the whole training split, each its own stream, as a real peer's units do (token datasets,
+    and the byte corpus's default `num_shards` 1); False: a contiguous file shard each (`--training.num-shards N`)."""
     grace: float = 0.5
     """Async units wait after each round, at most this share of the phase, for the round's other updates
     (train/grace.py; the join config's `grace`; in a run with sponsors only they wait, for one another)."""

@@ -162,12 +162,12 @@ class OuterConfig:
     (`schedule`) it holds until `ramp_from` swarm rounds; DiLoCo's step is then better over long runs."""
     momentum: float = 0.3
     """Outer momentum mu (DiLoCo: 0.9); 0 gives plain averaging."""
-    schedule: str = "constant"
-    """How the outer step follows the swarm's clock (`swarm_rounds`, train/phase.py): constant, or ramp (outer_lr
-    and momentum until `ramp_from` swarm rounds, then linearly to late_lr and late_momentum by `ramp_to`: the step
-    that is best over 10 rounds, then DiLoCo's, best over 100). The ramp wants a grace window
-    (`training.grace`): without one, with a data shard per unit, the model between two updates swings by 17-18%
-    in loss under mu 0.9 (BENCHMARKS.md "The outer step's ramp")."""
+    schedule: str = "ramp"
+    """How the outer step follows the swarm's clock (`swarm_rounds`, train/phase.py): ramp (outer_lr and momentum
+    until `ramp_from` swarm rounds, then linearly to late_lr and late_momentum by `ramp_to`: the step that is best
+    over 10 rounds, then DiLoCo's, best over 100; the best synchronous step at both horizons too), or constant.
+    The ramp wants the grace window (`training.grace`, on by default): without one, with a data shard per unit,
+    the model between two updates swings by 17-18% in loss under mu 0.9 (BENCHMARKS.md "The outer step's ramp")."""
     late_lr: float = 0.7
     """The ramp's outer lr from `ramp_to` on (DiLoCo's)."""
     late_momentum: float = 0.9

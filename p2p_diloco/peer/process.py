@@ -150,6 +150,9 @@ class Peer:
         if n_windows is not None:  # a token dataset: every window once per epoch, shuffled by PeerID and epoch
             self.out(f"data: {n_windows} windows of a sequence, read in this unit's own shuffled order (keyed by "
                      f"the PeerID); {corpus.describe()}")
+        elif cfg.num_shards == 1:
+            self.out(f"data: the whole training split, in this unit's own stream (keyed by the PeerID); "
+                     f"{corpus.describe()}")
         else:
             how = "chosen with --shard" if cfg.shard >= 0 else "from the PeerID; --shard to choose"
             self.out(f"data shard {shard} of {cfg.num_shards} ({how}); {corpus.describe()}")

@@ -106,8 +106,11 @@ def run_data_parallel(spec: RunSpec, sim: SimConfig, corpus: Corpus,
     model = build_model(spec.model, spec.seed).to(device)  # float32, as the learners (see Learner)
     numel = model.num_params()
     optimizer = make_inner_optimizer(model, spec.inner)  # after the move: AdamW state on the device
-    samplers = [ShardSampler(corpus.train, shard=i, num_shards=n, block_size=spec.model.block_size,
-                             batch_size=spec.data.batch_size, seed=spec.seed) for i in range(n)]
+    samplers = []
+    for i in range(n):  # each worker reads what the async swarm's unit i reads (`SimConfig.unit_data`)
+        shard, shards, stream = sim.unit_data(i, i, n)
+        samplers.append(ShardSampler(corpus.train, shard=shard, num_shards=shards, block_size=spec.model.block_size,
+                                     batch_size=spec.data.batch_size, seed=spec.seed, stream=stream))
     eval_set = _eval_set(spec, sim, corpus)
     # Ring all-reduce: each worker sends 2 (n-1)/n of the fp32 gradient per step, in 2 (n-1) hops.
     ring_bytes = 2 * (n - 1) / n * 4 * numel if n > 1 else 0.0

@@ -46,8 +46,11 @@ def test_under_timing_noise_a_volunteer_copied_by_a_causal_crowd_graduates_with_
 
 def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack) -> None:
     spec = _spec()
+    # A file shard per unit, as measured: with every unit its own stream over the whole split (the simulator's
+    # default since), the instant crowd's copies that win races are judged as useful as the original, and copiers
+    # graduate (test_with_iid_streams_copiers_that_win_races_graduate below; BENCHMARKS "Copy races").
     sim = dataclasses.replace(timing, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
-                              eval_every_s=float(STEPS))
+                              eval_every_s=float(STEPS), iid=False)
     swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), attack)
     summary = swarm.honest_summary(swarm.run())
     assert summary["finite"] and summary["divergence"] < 1e-6  # equal replicas, the joiner's too

@@ -118,8 +118,8 @@ def test_timing_noise_bounds_are_checked():
 
 
 def test_iid_units_draw_their_own_streams_from_the_whole_split(corpus):
-    """`SimConfig.iid`: every unit samples the whole training split, as units reading a token dataset do, each in a
-    stream of its own; by default each unit has a file shard."""
+    """`SimConfig.iid` (the default): every unit samples the whole training split, as a real peer's units do, each in
+    a stream of its own; with iid=False each unit has a file shard."""
     from p2p_diloco.sim.swarm import AsyncSwarm
 
     def first_batches(iid: bool) -> list[torch.Tensor]:
@@ -131,10 +131,11 @@ def test_iid_units_draw_their_own_streams_from_the_whole_split(corpus):
     iid, sharded = first_batches(True), first_batches(False)
     assert not any(torch.equal(a, b) for i, a in enumerate(iid) for b in iid[i + 1:])  # a stream each
     assert not torch.equal(iid[0], sharded[0])
-    # the synchronous baseline reads the same streams, so the two compare on the same data
-    sync = SimConfig(peers=2, method="sync", total_steps=2 * 20, eval_batches=1)
-    on_iid, on_shards = (simulate(SPEC, dataclasses.replace(sync, iid=flag), corpus) for flag in (True, False))
-    assert on_iid.eval_loss != on_shards.eval_loss and on_iid.curve[0].loss - on_iid.eval_loss > 0.3
+    # both baselines read the same streams, so every method compares on the same data
+    for method in ("sync", "dp"):
+        base = SimConfig(peers=2, method=method, total_steps=2 * 20, eval_batches=1)
+        on_iid, on_shards = (simulate(SPEC, dataclasses.replace(base, iid=flag), corpus) for flag in (True, False))
+        assert on_iid.eval_loss != on_shards.eval_loss and on_iid.curve[0].loss - on_iid.eval_loss > 0.3
 
 
 def test_the_round_view_leaves_out_the_round_under_way(corpus):

@@ -39,7 +39,7 @@ def test_the_ramp_holds_the_early_step_then_moves_linearly_to_the_late_one() -> 
 
 def test_the_norm_bound_stays_the_early_steps() -> None:
     # A bound that followed the ramp to mu 0.9 would let an attacker move theta 3.5x further per update
-    ramp, constant = RunSpec(outer=OuterConfig(schedule="ramp")), RunSpec()
+    ramp, constant = RunSpec(outer=OuterConfig(schedule="ramp")), RunSpec(outer=OuterConfig(schedule="constant"))
     per_phase = ramp.inner.inner_steps * ramp.inner.lr * adam_step_bound(ramp.inner.beta1, ramp.inner.beta2)
     assert honest_coord_bound(ramp) == honest_coord_bound(constant) == pytest.approx(per_phase / (1 - 0.3))
     assert MergePolicy.from_spec(ramp).sender_limit == MergePolicy.from_spec(constant).sender_limit
@@ -50,7 +50,7 @@ def test_the_norm_bound_stays_the_early_steps() -> None:
 def test_before_the_ramp_the_update_is_the_constant_steps_bit_for_bit(seed: int, clock: int, rounds: int) -> None:
     # A 10-round run never leaves the early step: its results are the constant schedule's exactly.
     g = torch.Generator().manual_seed(seed)
-    ramp, constant = OuterConfig(codec="fp32", schedule="ramp"), OuterConfig(codec="fp32")
+    ramp, constant = OuterConfig(codec="fp32", schedule="ramp"), OuterConfig(codec="fp32", schedule="constant")
     s1, s2 = OuterState.zeros(32, torch.float32), OuterState.zeros(32, torch.float32)
     for r in range(rounds):
         d = torch.randn(32, generator=g)
