@@ -3,7 +3,8 @@ DiLoCo, the old default outer step and the new one, side by side on equal tokens
 
     python benchmarks/async_timing.py --seeds 8 --real 5 --out benchmarks/results/async_timing.json
 
-Scenarios (the `test` preset, N=4, H=50, 2,000 inner steps in all, lr decayed over each unit's 500 steps):
+Scenarios (the `test` preset, N=4, H=50, 2,000 inner steps in all, lr decayed over each unit's 500 steps; every
+unit samples the whole training split in its own stream, as real peers do; `--shards`: a file shard each):
 - **noise**: the simulator with the timing measured from real local swarms (BENCHMARKS.md, "Session 2"):
   steps of 0.032 s, start spread 1 s, phase jitter 0.15, latency 0.15 s + uniform(0, 0.3) s, under
   `--seeds` timing seeds. Sync DiLoCo waits for every unit, so its result does not depend on the seed.
@@ -18,11 +19,12 @@ Scenarios (the `test` preset, N=4, H=50, 2,000 inner steps in all, lr decayed ov
 
 Methods: `sync-diloco` (DiLoCo: outer Nesterov lr 0.7, mu 0.9), `async-old` (the same outer step, as the
 async default was: the lr schedule on each unit's own steps, remote updates rebased at every step) and
-`async-new` (the RunSpec's and the simulator's defaults now: a grace window of 0.5), `async-grace` (the same,
-named), `async-no-window` (the defaults with no window, the default before);
-`sync-new` is synchronous DiLoCo with the new outer step, to separate what the outer step gains in lockstep from
-what it gains under async timing. `sync-ramp`, `async-ramp` (no window), `async-ramp-grace`: the outer step's ramp
-to DiLoCo's after 10 swarm rounds (`outer.schedule ramp`; the same as without over the 10 rounds here, not over 100).
+`async-new` (the RunSpec's and the simulator's defaults now: a grace window of 0.5, the outer step's ramp),
+`async-grace` (the same, named), `async-no-window` (the defaults with no window);
+`sync-new` is synchronous DiLoCo with the new outer step (and its ramp), to separate what the outer step gains in
+lockstep from what it gains under async timing. `sync-ramp`, `async-ramp` (no window), `async-ramp-grace`: the ramp
+to DiLoCo's step after 10 swarm rounds, named (`outer.schedule ramp`, the default); `sync-constant`,
+`async-constant`: without it (the same as with it over the 10 rounds here, not over 100).
 `--candidates FILE` adds more (a JSON list of {"name", "outer", "inner", "sim"} overrides) for the search that
 chose the default.
 
@@ -56,11 +58,14 @@ METHODS = {
     "async-new": {"sim": "async", "outer": {}, "inner": {}},  # the defaults: the grace window of 0.5 since it
     "async-no-window": {"sim": "async", "outer": {}, "inner": {}, "grace": 0.0},  # became one; the default before
     "sync-new": {"sim": "sync", "outer": {}, "inner": {}},  # sync DiLoCo with the new outer step, for reference
+    # the new step without its ramp (the default before 2026-11-29): over 10 rounds the same as with it
+    "sync-constant": {"sim": "sync", "outer": {"schedule": "constant"}, "inner": {}},
+    "async-constant": {"sim": "async", "outer": {"schedule": "constant"}, "inner": {}},
     "async-grace": {"sim": "async", "outer": {}, "inner": {}, "grace": 0.5},  # the defaults and a grace window
     # the new step with its ramp to DiLoCo's after 10 swarm rounds (outer.schedule ramp): over the 10 rounds of the
     # matrix the same as without; over 100 (long_run.py) not
     "sync-ramp": {"sim": "sync", "outer": {"schedule": "ramp"}, "inner": {}},
-    "async-ramp": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}, "grace": 0.0},
+    "async-ramp": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}, "grace": 0.0},  # = async-no-window
     "async-ramp-grace": {"sim": "async", "outer": {"schedule": "ramp"}, "inner": {}, "grace": 0.5},
 }
 
@@ -211,8 +216,9 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--candidates", help="JSON file: more methods [{name, outer, inner, sim (async)}]")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--iid", action="store_true",
-                    help="every unit samples the whole training split, its own stream (token data), not a shard each")
+    ap.add_argument("--shards", action="store_true",
+                    help="a contiguous file shard per unit (the simulator's data before 2026-11-29), not every unit "
+                         "its own stream over the whole split (the default, as real peers read)")
     ap.add_argument("--workdir", default="/tmp/async-timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "async_timing.json"))
     args = ap.parse_args()
@@ -220,7 +226,7 @@ def main() -> int:
     if args.candidates:
         for c in json.loads(Path(args.candidates).read_text()):
             methods[c["name"]] = candidate(c)
-    scenarios = {name: {**over, "iid": args.iid}
+    scenarios = {name: {**over, "iid": not args.shards}
                  for name, over in {"noise": NOISE, "orderly": ORDERLY, "slow": SLOW, "run-seeds": ORDERLY}.items()}
     jobs = []
     for scenario in args.scenarios.split(","):

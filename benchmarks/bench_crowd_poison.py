@@ -249,7 +249,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed+seeds-1")
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--iid", action="store_true", help="every unit samples the whole training split (token data)")
+    ap.add_argument("--iid", action="store_true", help="every unit samples the whole training split (the simulator's "
+                                                       "default; here a shard each unless given, as measured)")
     ap.add_argument("--no-volunteer", action="store_true", help="skip the late volunteer's measurement")
     ap.add_argument("--out", default="benchmarks/results/crowd/poison")
     args = ap.parse_args()

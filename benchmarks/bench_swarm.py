@@ -1,5 +1,5 @@
 """Real swarm vs simulator: N peers as separate processes on loopback, and the same run in the in-process
-simulator, side by side on equal tokens (same RunSpec, seeds and data shards).
+simulator, side by side on equal tokens (same RunSpec, seeds and data: every unit its own stream over the whole split).
 
     python benchmarks/bench_swarm.py --peers 4 --rounds 10 --inner-steps 50 --repeats 5 --timing-seeds 5
 

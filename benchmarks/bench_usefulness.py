@@ -250,7 +250,8 @@ def main() -> int:
         total = args.peers * args.steps_per_peer
         noise = dict(start_spread_s=1.0, phase_jitter=0.15, latency_s=0.15, latency_jitter_s=0.3) \
             if args.timing_noise else {}
-        sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=4, eval_every_s=float(total), **noise)
+        sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=4, eval_every_s=float(total),
+                        iid=False, **noise)  # a shard per unit here unless --iid (as measured in BENCHMARKS.md)
         swarm = MeasuredSwarm(spec, sim, load_corpus(spec.data), judge_batches=args.batches, iid=args.iid)
         swarm.run()
         rows += [{**r, "seed": seed} for r in swarm.rows]

@@ -5,10 +5,11 @@
         --methods async-new,async-diloco-step --out benchmarks/results/long_run_noise
 
 The simulator, the `test` preset, N=4 units, orderly timing, equal tokens for every method (rounds x N x H
-inner steps, the lr decayed over each unit's rounds x H steps): async p2p DiLoCo with the RunSpec's and the
-simulator's defaults, synchronous DiLoCo (outer Nesterov lr 0.7, mu 0.9), synchronous DiLoCo with the default
-outer step (lr 1.4, mu 0.3), the outer step's ramp from that to DiLoCo's (`sync-ramp`, `async-ramp`, and with
-a grace window of 0.5 `async-ramp-grace`), and data-parallel (one AdamW step on N batches per step). Prints
+inner steps, the lr decayed over each unit's rounds x H steps), every unit its own stream over the whole split
+(`--shards`: a file shard each): async p2p DiLoCo with the RunSpec's and the simulator's defaults (the outer
+step's ramp from lr 1.4 / mu 0.3 to DiLoCo's, a grace window of 0.5), synchronous DiLoCo (outer Nesterov lr 0.7,
+mu 0.9), synchronous DiLoCo with the default outer step and its ramp (`sync-new`), the step without the ramp
+(`sync-constant`, `async-constant`), and data-parallel (one AdamW step on N batches per step). Prints
 each method's gap to data-parallel at equal tokens after 10, 25, 50... rounds: the trend.
 Writes OUT.json (final losses and curves) and OUT.png (eval loss vs tokens, one panel per H).
 """
@@ -29,7 +30,7 @@ from async_timing import METHODS, NOISE, OLD_OUTER, ORDERLY, candidate, grace_of
 LONG_METHODS = {"async-new": METHODS["async-new"], "sync-diloco": METHODS["sync-diloco"],
                 "sync-new": METHODS["sync-new"], "data-parallel": {"sim": "dp", "outer": {}, "inner": {}},
                 **{name: METHODS[name] for name in ("async-grace", "async-no-window", "sync-ramp", "async-ramp",
-                                                    "async-ramp-grace")},
+                                                    "async-ramp-grace", "sync-constant", "async-constant")},
                 # DiLoCo's outer step with the swarm clock: which outer step wins a long run under real timing
                 "async-diloco-step": {"sim": "async", "outer": OLD_OUTER, "inner": {}}}
 DEFAULT_METHODS = "async-new,sync-diloco,sync-new,data-parallel"
@@ -121,15 +122,16 @@ def main() -> int:
     ap.add_argument("--candidates", help="JSON file: more methods [{name, outer, inner, sim (async)}], as in "
                                          "async_timing.py; name them in --methods")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--iid", action="store_true",
-                    help="every unit samples the whole training split, its own stream (token data), not a shard each")
+    ap.add_argument("--shards", action="store_true",
+                    help="a contiguous file shard per unit (the simulator's data before 2026-11-29), not every unit "
+                         "its own stream over the whole split (the default, as real peers read)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "long_run"))
     args = ap.parse_args()
     methods = dict(LONG_METHODS)
     if args.candidates:
         for c in json.loads(Path(args.candidates).read_text()):
             methods[c["name"]] = candidate(c)
-    jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed), args.iid)
+    jobs = [(name, methods[name], int(H), args.rounds, args.timing, int(seed), not args.shards)
             for seed in args.timing_seeds.split(",") for H in args.inner_steps.split(",")
             for name in args.methods.split(",")]
     print(f"# {time.strftime('%Y-%m-%d')} `{' '.join(sys.argv)}`", flush=True)
