@@ -49,6 +49,8 @@ mean_s |u_s| / |u|)` if it points along the sponsors' work (else 0), outside the
 displacing the sponsor's own work; the sponsor signs a weight that
 carries it (train/outer.py `relay_payload`). The record is the sponsor's own, so graduation needs no agreement
 between replicas: it only shapes the sponsor's payload. An honest volunteer's 3rd update is relayed as a member's.
+Open: a copy that reaches a sponsor before its original takes the slot's judgment, so a crowd faster to the sponsors
+than the volunteer graduates copiers (with a stream per unit; BENCHMARKS "Copy races with a stream per unit").
 A sleeper (useful work until it graduates, then an attack) gains nothing: every update is still judged before
 it enters theta, and a strike breaks its record (RECORD more useful updates at a newcomer's share to graduate
 again). Merging a graduate's update directly at its weight, on a credential of the sponsors' signed verdicts,

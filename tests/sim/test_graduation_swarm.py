@@ -44,13 +44,23 @@ def test_under_timing_noise_a_volunteer_copied_by_a_causal_crowd_graduates_with_
     _graduates_from_its_third_update(sim, CrowdAttack(10, "copy", source=3, causal=True))
 
 
-def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack) -> None:
+@pytest.mark.slow  # the default suite's representative: the first test
+def test_with_a_stream_per_unit_the_volunteer_graduates_though_copiers_that_win_races_can_too() -> None:
+    """The first test with every unit on its own stream over the whole split (the simulator's and a real peer's
+    default): the volunteer is relayed as a member's from its 3rd update and the crowd's copies are relayed less than
+    its own work, but the copies that won races were judged as useful as the original (its updates no longer run
+    long against the sponsors' and hit the length cap), and 3 (sponsor, copier) pairs graduated here, 3-14 under
+    timing noise (BENCHMARKS "Copy races with a stream per unit"). Not asserted: a known weakness, not a property."""
+    _graduates_from_its_third_update(SimConfig(join=(f"{STEPS // 6}",), grace=0.0), CrowdAttack(10, "copy", source=3),
+                                     iid=True)
+
+
+def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, iid: bool = False) -> None:
     spec = _spec()
-    # A file shard per unit, as measured: with every unit its own stream over the whole split (the simulator's
-    # default since), the instant crowd's copies that win races are judged as useful as the original, and copiers
-    # graduate (test_with_iid_streams_copiers_that_win_races_graduate below; BENCHMARKS "Copy races").
+    # A file shard per unit unless `iid`, as first measured: with every unit on its own stream (the simulator's
+    # default since) the instant crowd's copies that win races graduate (the test above this helper).
     sim = dataclasses.replace(timing, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
-                              eval_every_s=float(STEPS), iid=False)
+                              eval_every_s=float(STEPS), iid=iid)
     swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), attack)
     summary = swarm.honest_summary(swarm.run())
     assert summary["finite"] and summary["divergence"] < 1e-6  # equal replicas, the joiner's too
@@ -63,7 +73,7 @@ def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack) -> 
     crowd = {identity.peer_id for identity in swarm.crowd}
     for p in swarm.peers[:3]:  # the copiers won some races: a newcomer's share of those, never a member's
         sponsorship = p.learner.replica.standing.sponsorship
-        assert not set(sponsorship.graduates) & crowd
+        assert iid or not set(sponsorship.graduates) & crowd  # with iid: the weakness the test above names
         assert sum(sponsorship.relayed.get(a, 0.0) for a in crowd) < sponsorship.relayed[volunteer]
 
 
