@@ -43,12 +43,13 @@ def build(mode: str, factor: float, args: argparse.Namespace) -> HostileSwarm:
     if mode.startswith("train_"):
         peers = args.peers + args.crowd
         total = peers * args.steps_per_peer
-        sim = SimConfig(peers=peers, total_steps=total, eval_batches=4, eval_every_s=float(total))
+        sim = SimConfig(peers=peers, total_steps=total, eval_batches=4, eval_every_s=float(total), iid=False)
         hostility = Hostility.SCALE if mode == "train_scale" else Hostility.SIGN_FLIP
         return HostileSwarm(spec, sim, corpus, [Adversary(i, hostility, factor=factor)
                                                 for i in range(args.peers, peers)])
     total = args.peers * args.steps_per_peer
-    sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=4, eval_every_s=float(total))
+    sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=4, eval_every_s=float(total),
+                    iid=False)  # a shard per unit, as measured in BENCHMARKS.md
     return CrowdSwarm(spec, sim, corpus, CrowdAttack(args.crowd, mode, factor))
 
 

@@ -58,13 +58,13 @@ def run_one(job: dict) -> dict:
     t0 = time.time()
     if row == "volunteer":
         sim = SimConfig(peers=3, sponsors=3, total_steps=steps + steps // 3, eval_batches=8,
-                        eval_every_s=float(steps), join=(f"{steps // 6}",))
+                        eval_every_s=float(steps), join=(f"{steps // 6}",), iid=False)  # as measured
         swarm = CrowdSwarm(spec, sim, corpus, CrowdAttack(10, "copy", source=3))
     else:
         adversaries = {"negate": [Adversary(i, Hostility.SIGN_FLIP) for i in range(3, 6)],
                        "sleeper": [Adversary(i, Hostility.SIGN_FLIP, sleeper=2) for i in range(3, 6)]}.get(row, [])
         sim = SimConfig(peers=6, sponsors=0 if row == "plain6" else 3, total_steps=2 * steps, eval_batches=8,
-                        eval_every_s=float(2 * steps))
+                        eval_every_s=float(2 * steps), iid=False)  # a shard per unit, as measured
         swarm = CrowdSwarm(spec, sim, corpus, CrowdAttack(0, "copy"), adversaries=adversaries)
     summary = swarm.honest_summary(swarm.run())
     out = {**job, "eval_loss": summary["eval_loss"], "divergence": summary["divergence"],

@@ -156,7 +156,8 @@ def main() -> int:
     base = preset(args.preset)
     inner = dataclasses.replace(base.inner, inner_steps=args.inner_steps, decay_steps=args.steps_per_peer)
     total = args.peers * args.steps_per_peer // (args.peers * args.inner_steps) * (args.peers * args.inner_steps)
-    sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=16, eval_every_s=float(total))
+    sim = SimConfig(peers=args.peers, total_steps=total, eval_batches=16, eval_every_s=float(total),
+                    iid=False)  # a shard per unit, as measured in BENCHMARKS.md
     settings = {d: dataclasses.replace(DEFENCES[d], clip_radius=args.clip_radius) if args.clip_radius else
                 DEFENCES[d] for d in defences}
     hostile = args.peers - 1 if args.hostile_peer is None else args.hostile_peer

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
-from async_timing import METHODS, NOISE  # noqa: E402
+from async_timing import NOISE  # noqa: E402
 
 from p2p_diloco.config import SimConfig, preset  # noqa: E402
 from p2p_diloco.sim import swarm as S  # noqa: E402
@@ -24,9 +24,9 @@ rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 100
 H = 50
 spec = preset("test")
 spec = dataclasses.replace(spec, inner=dataclasses.replace(spec.inner, inner_steps=H, decay_steps=rounds * H),
-                           outer=dataclasses.replace(spec.outer, **METHODS["async-new"]["outer"]))
+                           outer=dataclasses.replace(spec.outer, schedule="constant"))  # as measured: the defaults then
 total = rounds * 4 * H
-sim = SimConfig(peers=4, total_steps=total, method="async", timing_seed=seed,
+sim = SimConfig(peers=4, total_steps=total, method="async", timing_seed=seed, iid=False, grace=0.0,
                 eval_every_s=rounds * H * NOISE["step_time_s"] / 25, **NOISE)
 receive, end_phase = S.AsyncSwarm._receive, S.AsyncSwarm._end_phase
 

@@ -26,7 +26,7 @@ def run(job: tuple) -> dict:
     spec = preset("test")
     spec = dataclasses.replace(spec, inner=dataclasses.replace(spec.inner, inner_steps=50, decay_steps=500),
                                outer=dataclasses.replace(spec.outer, schedule=schedule))
-    sim = SimConfig(peers=4, total_steps=2000, step_time_s=1.0, latency_s=0.05)
+    sim = SimConfig(peers=4, total_steps=2000, step_time_s=1.0, latency_s=0.05, iid=False, grace=0.0)  # as measured
     adversaries = [Adversary(3, Hostility.SCALE, factor=factor, bounded=True)] if factor else []
     swarm = HostileSwarm(spec, sim, load_corpus(spec.data), adversaries)
     summary = swarm.honest_summary(swarm.run())

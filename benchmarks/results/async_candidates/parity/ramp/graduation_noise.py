@@ -12,6 +12,7 @@ loss and the replicas' divergence.
 `causal`: the crowd copies only what it has received (sim/crowd.py `CrowdAttack.causal`); without it its copies
 leave the instant the volunteer publishes.
 """
+import dataclasses
 import json
 import sys
 
@@ -28,7 +29,10 @@ extra = sys.argv[3:]
 if "everyone" in extra:
     L.awaited = lambda vv, me, live=0, sponsors=(): G.awaited(vv, me, live)
 spec = _spec()
-sim = SimConfig(peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8, eval_every_s=float(STEPS),
+# as measured: a shard per unit (iid=False below) and the constant step, the defaults then
+spec = dataclasses.replace(spec, outer=dataclasses.replace(spec.outer, schedule="constant"))
+sim = SimConfig(iid=False, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
+                eval_every_s=float(STEPS),
                 join=(f"{STEPS // 6}",), grace=grace, phase_jitter=0.15, latency_jitter_s=0.1, start_spread_s=1.0,
                 timing_seed=seed)
 swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(10, "copy", source=3, causal="causal" in extra))

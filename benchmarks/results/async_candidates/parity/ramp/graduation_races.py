@@ -7,15 +7,18 @@ at or above PROVEN (0.11-0.17); the volunteer lost the copy race at nearly every
 
     python benchmarks/results/async_candidates/parity/ramp/graduation_races.py GRACE SEED
 """
+import dataclasses
 import sys
 
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[5]))  # the repository root
 import torch
+
 from p2p_diloco.config import SimConfig
 from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
 from p2p_diloco.sync import sponsorship as S
 from p2p_diloco.train.data.corpus import load_corpus
 from tests.sim.test_graduation_swarm import STEPS, _spec
+
 grace, seed = float(sys.argv[1]), int(sys.argv[2])
 orig = S.Sponsorship.merged
 samples, log = {}, []
@@ -35,7 +38,10 @@ def merged(self, author, seq, sample, step, factor=1.0, at=None):
     return orig(self, author, seq, sample, step, factor, at)
 S.Sponsorship.merged = merged
 spec = _spec()
-sim = SimConfig(peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8, eval_every_s=float(STEPS),
+# as measured: a shard per unit (iid=False below) and the constant step, the defaults then
+spec = dataclasses.replace(spec, outer=dataclasses.replace(spec.outer, schedule="constant"))
+sim = SimConfig(iid=False, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
+                eval_every_s=float(STEPS),
                 join=(f"{STEPS // 6}",), grace=grace, phase_jitter=0.15, latency_jitter_s=0.1, start_spread_s=1.0,
                 timing_seed=seed)
 swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(10, "copy", source=3))

@@ -10,6 +10,7 @@ only; see the end of the log for what it did and why it is not enough.
 
     python benchmarks/results/async_candidates/parity/ramp/judge_offsets.py 0.5
 """
+import dataclasses
 import sys
 
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[5]))  # the repository root
@@ -36,7 +37,10 @@ def merged(self, author, seq, sample, step, factor=1.0, at=None):
     return orig(self, author, seq, sample, step, factor, at)
 S.Sponsorship.merged = merged
 spec = _spec()
-sim = SimConfig(peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8, eval_every_s=float(STEPS),
+# as measured: a shard per unit (iid=False below) and the constant step, the defaults then
+spec = dataclasses.replace(spec, outer=dataclasses.replace(spec.outer, schedule="constant"))
+sim = SimConfig(iid=False, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
+                eval_every_s=float(STEPS),
                 join=(f"{STEPS // 6}",), grace=grace)
 swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(10, "copy", source=3))
 swarm.run()
