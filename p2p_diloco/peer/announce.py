@@ -57,6 +57,12 @@ Record = dict[str, object]
 """A peer's record as read from the DHT: signed by its peer, but every field untrusted (net/discovery/status.py)."""
 
 
+def announced_maddrs(record: Record) -> list[str]:
+    """Where a peer's record says to dial it: at most MAX_ANNOUNCED_MADDRS strings (the record is untrusted)."""
+    maddrs = record.get("maddrs")
+    return [m for m in maddrs[:MAX_ANNOUNCED_MADDRS] if isinstance(m, str)] if isinstance(maddrs, list) else []
+
+
 @dataclass(frozen=True)
 class PresenceParts:
     """What `Presence` works with once the node is up and the replica is built."""
@@ -187,8 +193,7 @@ class Presence:
             members[pid] = record
             self._check_corpus(parts.static_record, pid, record)
         self._note_lost(members)
-        self._known_maddrs = {pid: [m for m in maddrs[:MAX_ANNOUNCED_MADDRS] if isinstance(m, str)]
-                              for pid, r in members.items() if isinstance(maddrs := r.get("maddrs"), list)} | {
+        self._known_maddrs = {pid: maddrs for pid, r in members.items() if (maddrs := announced_maddrs(r))} | {
             pid: m for pid, m in self._known_maddrs.items() if pid in self.lost}
         self.peers = live(members)
         for pid, record in self.peers.items():  # peers that said nobody can dial them: through a relay first

@@ -40,7 +40,7 @@ from p2p_diloco.net.gossip.service import Gossip
 from p2p_diloco.net.statesync.client import StateSyncError, fetch_snapshot
 from p2p_diloco.net.statesync.manifest import Manifest
 from p2p_diloco.net.transport.node import NodeConfig, SwarmNode
-from p2p_diloco.peer.announce import Presence, Record
+from p2p_diloco.peer.announce import Presence, Record, announced_maddrs
 from p2p_diloco.peer.compose import PeerServices, ServiceConfig, build_peer_services, proven_among
 from p2p_diloco.peer.network_counters import collect_counters
 from p2p_diloco.peer.reach import donor_rank
@@ -213,6 +213,11 @@ class PeerNetwork:
                     raise StateSyncError(f"state sync failed {attempts} times; last: {e}") from None
                 logger.warning("state sync failed, retrying attempt=%d/%d error=%s", attempt, attempts, e)
                 await asyncio.sleep(SYNC_RETRY_DELAY_S * attempt)
+                # The peer we joined through may be the donor that failed: the others are then only names in
+                # DHT records to our daemon. Dial them where their records say before we ask again.
+                dialled = await s.up.node.dial({pid: announced_maddrs(records[pid]) for pid in donors},
+                                               timeout_s=self.dht_timeout_s / 2)
+                logger.info("state sync: dialled donors before retrying reached=%s", [pid[-8:] for pid in dialled])
                 continue
             return {"donor": donor, "vv_total": vv.total(), "bytes": numel * 4,
                     "seconds": time.monotonic() - started, "candidates": len(donors)}

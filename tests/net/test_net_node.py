@@ -149,6 +149,29 @@ def test_a_restarted_bootstrap_is_met_again(loop, tmp_path_factory) -> None:
                 loop.run(node.shutdown(), timeout_s=30)
 
 
+def test_dial_reaches_a_peer_known_only_by_the_addresses_its_record_announces(loop, tmp_path_factory) -> None:
+    # A joiner whose entry point died knows the other members only from their DHT records: its daemon holds no
+    # address for them ('failed to find any peer in table') until it dials where the records say.
+    a = b = None
+    try:
+        a = loop.run(_start(_identity(tmp_path_factory, "dialler")[1]))
+        b = loop.run(_start(_identity(tmp_path_factory, "dialled")[1]))
+
+        def connected() -> set[str]:
+            return {info.peer_id.to_base58() for info in loop.run(a.p2p.list_peers())}
+
+        assert b.peer_id not in connected()
+        hostile = {b.peer_id: [f"/ip4/127.0.0.1/tcp/{_free_port()}", "not a multiaddr"]}
+        assert loop.run(a.dial(hostile, timeout_s=5)) == [] and b.peer_id not in connected()
+        assert loop.run(a.dial({b.peer_id: b.visible_maddrs(), a.peer_id: a.visible_maddrs()}, timeout_s=10)) == [
+            b.peer_id]
+        assert b.peer_id in connected()
+    finally:
+        for node in (a, b):
+            if node is not None:
+                loop.run(node.shutdown(), timeout_s=30)
+
+
 @pytest.mark.parametrize("addr, why", [
     ("ip4/1.2.3.4/tcp/1", "must start with '/'"),
     ("/ip4/1.2.3.4/tcp/99999/p2p/12D3KooWGnTpqbfX2NJGtHVg8BE1L3m8rRmZf1oK7DfFrCqH8ZkF", "not in range"),

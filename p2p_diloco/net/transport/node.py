@@ -27,6 +27,7 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration
 from multiaddr import Multiaddr as _PyMultiaddr
 
@@ -262,6 +263,26 @@ class SwarmNode:
             return []
         coro = partial(meet_again_in_dht, peers=wanted, timeout_s=timeout_s)
         return await await_mp(self.dht.run_coroutine(coro, return_future=True), timeout_s + 5.0)
+
+    async def dial(self, peers: dict[str, Sequence[str]], timeout_s: float) -> list[str]:
+        """Connect our daemon to each of `peers` (PeerID -> the multiaddrs its record announces); return those
+        reached. A peer we know only from DHT records has no address in the daemon's peerstore once the peers
+        that introduced it are gone (a joiner whose entry point died): libp2p's routing then finds nothing
+        ('routing: not found', 'failed to find any peer in table') and every stream to it fails until dialled."""
+        self._check_alive()
+
+        async def one(pid_text: str, maddrs: Sequence[str]) -> str | None:
+            try:
+                addrs = [HivemindMultiaddr(m.split("/p2p/")[0]) for m in maddrs]
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(pid_text), addrs), timeout_s)
+                return pid_text
+            except Exception as e:  # untrusted addresses: a bad one is a failed dial, nothing more
+                logger.debug("dial failed peer=%s error=%r", pid_text, e)
+                return None
+
+        wanted = {pid: maddrs for pid, maddrs in peers.items() if pid != self.peer_id and maddrs}
+        results = await asyncio.gather(*(one(pid, maddrs) for pid, maddrs in wanted.items()))
+        return [pid for pid in results if pid is not None]
 
     async def add_record_validators(self, validators: Sequence[RecordValidatorBase], timeout_s: float = 10.0) -> None:
         """Add DHT record validators after the start (they are pickled into the DHT process)."""
