@@ -19,7 +19,7 @@ if [ -z "${ENGINE:-}" ]; then
   if "$PYTHON" -c "import atheris" 2>/dev/null; then ENGINE=atheris; else ENGINE=mutate; fi
 fi
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(envelope envelope_signed codec manifest manifest_signed gossip_request peer_record)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(envelope envelope_signed herald codec manifest manifest_signed gossip_request peer_record)
 mkdir -p "$WORKDIR" "$(dirname "$LOG")"
 
 {

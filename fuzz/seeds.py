@@ -143,6 +143,16 @@ def _update_seeds(sender: Identity, forger: Identity) -> tuple[dict[bytes, Outer
     return updates, envelopes, signed_inputs
 
 
+def _heralds(envelopes: list[bytes]) -> list[bytes]:
+    """Each envelope seed without its payload: the herald of the same header and signature (wire/herald.py)."""
+    out = []
+    for data in envelopes:
+        fields = msgpack.unpackb(data, raw=False)
+        fields.pop("p", None)
+        out.append(msgpack.packb(fields, use_bin_type=True))
+    return out
+
+
 def _manifest_seeds(donor: Identity) -> tuple[frozenset[Manifest], list[bytes], list[bytes]]:
     bodies = [msgpack.packb(manifest_dict(donor), use_bin_type=True),
               msgpack.packb(manifest_dict(donor, chunk_bytes=40, version_vector={},
@@ -198,7 +208,8 @@ def fixtures() -> Fixtures:
                  b"\x01" + encode_request(vectors[1]), b"\x01" + encode_request(vectors[1], 0),
                  b"\x00" + msgpack.packb({"vv": {sender.peer_id: -1}}),
                  b"\x00" + msgpack.packb({"vv": {sender.peer_id: 3}, "holes": {sender.peer_id: [3]}})]
-    seeds = {"envelope": envelopes, "envelope_signed": signed_inputs, "codec": _codec_seeds(),
+    seeds = {"envelope": envelopes, "envelope_signed": signed_inputs, "herald": _heralds(envelopes),
+             "codec": _codec_seeds(),
              "manifest": responses, "manifest_signed": bodies, "gossip_request": requests,
              "peer_record": record_seeds}
     return Fixtures(sender, forger, donor, updates, manifests, records, seeds)

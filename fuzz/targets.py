@@ -24,6 +24,7 @@ Contracts checked:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
@@ -47,11 +48,12 @@ from p2p_diloco.wire.envelope import (
     REJECT_REASONS,
     UPDATE_DOMAIN,
     WireError,
-    _decode_header,
+    decode_header,
     decode_update,
     sign_blob,
     verify_blob,
 )
+from p2p_diloco.wire.herald import decode_herald
 
 Target = Callable[[bytes], str]
 
@@ -71,6 +73,32 @@ def envelope(data: bytes) -> str:
     assert known is not None, "accepted an update whose header the sender never signed"
     assert got == known, "accepted an update that differs from the signed one"
     return "accepted"
+
+
+def herald(data: bytes) -> str:
+    """A herald is an envelope without its payload (wire/herald.py): whatever it accepts is an honest update's
+    signed header, with that update's id."""
+    try:
+        header, update_id = decode_herald(data, run_id=RUN, spec_hash=SPEC)
+    except WireError as e:
+        assert e.reason in REJECT_REASONS, e.reason
+        return e.reason
+    assert update_id in _signed_header_ids(), "accepted a herald whose header the sender never signed"
+    return "accepted"
+
+
+@functools.cache
+def _signed_header_ids() -> frozenset[bytes]:
+    """The ids of every header the honest sender signed among the envelope seeds: the valid updates', and those
+    whose only fault is the payload (a herald has none to check)."""
+    f = fixtures()
+    out = set()
+    for data in f.seeds["envelope"]:
+        fields = msgpack.unpackb(data, raw=False)
+        h, sig = fields.get("h"), fields.get("s")
+        if isinstance(h, bytes) and isinstance(sig, bytes) and verify_blob(f.sender.peer_id, UPDATE_DOMAIN, h, sig):
+            out.add(hashlib.sha256(h).digest())
+    return frozenset(out)
 
 
 def envelope_signed(data: bytes) -> str:
@@ -100,7 +128,7 @@ def envelope_signed(data: bytes) -> str:
     assert type(h.weight) is float and math.isfinite(h.weight) and h.weight >= 0
     assert type(h.created_at) is float and math.isfinite(h.created_at)
     assert h.payload_len == len(payload) and h.payload_digest == hashlib.sha256(payload).digest()
-    assert _decode_header(header_bytes) == h  # parsing is a function of the bytes
+    assert decode_header(header_bytes) == h  # parsing is a function of the bytes
     return "accepted"
 
 
@@ -281,6 +309,6 @@ def peer_record(data: bytes) -> str:
 
 
 TARGETS: dict[str, Target] = {
-    "envelope": envelope, "envelope_signed": envelope_signed, "codec": codec, "manifest": manifest,
+    "envelope": envelope, "envelope_signed": envelope_signed, "herald": herald, "codec": codec, "manifest": manifest,
     "manifest_signed": manifest_signed, "gossip_request": gossip_request, "peer_record": peer_record,
 }

@@ -238,7 +238,7 @@ def decode_update(data: bytes, *, max_bytes: int, run_id: str | None = None,
     if len(signature) != SIGNATURE_BYTES:
         raise WireError("malformed", f"signature is {len(signature)} bytes, expected {SIGNATURE_BYTES}")
 
-    header = _decode_header(header_bytes)
+    header = decode_header(header_bytes)
     if run_id is not None and header.run_id != run_id:
         raise WireError("wrong_run", f"update is for run {header.run_id!r}, this peer runs {run_id!r}")
     if spec_hash is not None and header.spec_hash != spec_hash:
@@ -284,7 +284,9 @@ def _unpack(data: bytes, reason: str, **limits: int) -> Any:
         raise WireError(reason, f"cannot parse msgpack: {type(exc).__name__}: {exc}") from None
 
 
-def _decode_header(header_bytes: bytes) -> UpdateHeader:
+def decode_header(header_bytes: bytes) -> UpdateHeader:
+    """A header's fields, checked and canonically encoded; WireError("bad_header") otherwise (its signature is
+    the caller's to check)."""
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise WireError("bad_header", f"header is {len(header_bytes)} bytes, limit {MAX_HEADER_BYTES}")
     fields = _unpack(header_bytes, "bad_header", max_bin_len=MAX_VOUCHES * VOUCH_BYTES, max_str_len=MAX_NAME_CHARS,

@@ -97,6 +97,12 @@ def test_envelope_arbitrary_and_mutated(data: bytes) -> None:
 
 
 @FUZZ
+@given(data=st.binary(max_size=512) | _mutated("herald"))
+def test_herald_arbitrary_and_mutated(data: bytes) -> None:
+    targets.herald(data)
+
+
+@FUZZ
 @given(data=st.data())
 def test_envelope_hostile_sender(data: st.DataObject) -> None:
     """Headers a sender really signed, with fields of every type and range: rejected, or valid in every field."""
