@@ -52,6 +52,7 @@ from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.types import Conflict, MergeOutcome, UpdateLike
 from p2p_diloco.wire.codecs import Codec, get_codec
 from p2p_diloco.wire.envelope import OuterUpdate, WireError, claimed_sender, decode_update
+from p2p_diloco.wire.herald import decode_herald
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,24 @@ class Intake:
         self.expire_gaps(now_s)
         self.take_back_copies()
         return outcome.value, update
+
+    def herald(self, data: bytes, source: str = "?") -> str:
+        """A proposal's herald (wire/herald.py), sent ahead of its payload to the run's sponsors: at a sponsor it
+        dates the proposal for the copy rule (sync/heralds.py). Returns "heard", "ignored" (not a sponsor, a
+        sponsor's own, or a banned sender's) or the rejection reason."""
+        standing = self.replica.standing
+        if standing is None or not standing.sponsorship.judging:
+            return "ignored"
+        try:
+            header, update_id = decode_herald(data, run_id=self.spec.run_id, spec_hash=self.spec_hash)
+        except WireError as err:
+            return self._reject(err.reason, source, f"herald: {err}")
+        if header.sender in self.replica.banned or (self.allowed and header.sender not in self.allowed) \
+                or standing.sponsorship.is_sponsor(header.sender):
+            return "ignored"
+        with self.replica.lock:
+            standing.sponsorship.heard(header.sender, header.seq, update_id, self.replica.clock())
+        return "heard"
 
     def take_back_copies(self) -> None:
         """Take back the weight of merged updates vetting found to be copies only when their original came

@@ -24,23 +24,19 @@ direction is mostly its own files, the sponsors' sum is what they share), on the
 floored at 0, scaled down when the proposal is longer than the sponsors' updates are on average, `v = max(0, cos) *
 min(1, mean_s |u_s| / |u|)` (against the sum's length, x5 work clipped at the norm bound was relayed at up to three
 updates' length: +8.3% loss from 3 such identities), and 0 for a proposal that is a near copy (|cos| >= NEAR_COPY)
-of any update merged this round: a crowd re-signing honest work with noise adds nothing (a graduate's update is
-judged even so: a crowd racing its copies to a sponsor must not take its place; the copies got a newcomer's share at
-most, and a proposal that lost such a race keeps its record). Measured (BENCHMARKS "Can a paired loss change tell
+of any update merged this round and dated before it (by its herald, sync/heralds.py; one dated after it that took
+the credit first gives it over): a crowd re-signing honest work with noise adds nothing, a graduate's copy included
+(its work is in already: relayed again as a member's, 10 graduated copiers would relay one update 10 times), and a
+proposal that lost such a race keeps its record. Measured (BENCHMARKS "Can a paired loss change tell
 honest work from an attack?"): with units drawing from the whole data the cosine judges 0% of honest updates harmful
 and 0% of negated ones useful, one update at a time; with a file shard per unit honest updates point slightly
 against each other late in a run, so honest proposals there get little weight (denial, not poisoning: the one-share
 bound holds whatever the judge says). The values go into the sponsor's signed header (wire/envelope.py `vouches`) so
 that every peer can count what each author's work was judged worth (`earned`).
 
-**Echoes.** A judge of directions values a proposal for pointing along the sponsors' work; but the sponsors'
-recent work is merged already, so a proposal that echoes theta's recent move (an attacker's, or the part of an
-honest one that redoes what the swarm just did) would be relayed for it and move theta along it a second time.
-Before it signs, a sponsor removes from what it relays every component along theta's moves over its last ECHO
-phases (`_fresh`): only what is new is relayed. Measured (BENCHMARKS "Echoes", `test`, against 3 honest peers in
-the attackers' place): 3 peers that echo theta's move cost +9.0% before, +5.0% after (less than 3 peers whose
-work is never relayed, +6.0%); negated work tilted toward the swarm's direction +11.8% before, +6.2% after; and
-an honest run's loss fell 3% (its graduates' relayed work had carried the same echo).
+**Echoes.** Before it signs, a sponsor removes from what it relays every component along theta's moves over its
+last ECHO phases (sync/echoes.py): they are merged already, and a proposal that echoes them would move theta along
+them a second time.
 
 **Graduation.** One share for all newcomers would leave an honest volunteer's work at a fraction for ever. So
 a sponsor that judged an author's last RECORD proposals useful (each `v >= PROVEN`, its own verdicts or another
@@ -49,8 +45,8 @@ mean_s |u_s| / |u|)` if it points along the sponsors' work (else 0), outside the
 displacing the sponsor's own work; the sponsor signs a weight that
 carries it (train/outer.py `relay_payload`). The record is the sponsor's own, so graduation needs no agreement
 between replicas: it only shapes the sponsor's payload. An honest volunteer's 3rd update is relayed as a member's.
-Open: a copy that reaches a sponsor before its original takes the slot's judgment, so a crowd faster to the sponsors
-than the volunteer graduates copiers (with a stream per unit; BENCHMARKS "Copy races with a stream per unit").
+A copy whose payload reaches a sponsor before its original's no longer keeps the slot's judgment: the original's
+herald dates it first (sync/heralds.py; BENCHMARKS "Heralds").
 A sleeper (useful work until it graduates, then an attack) gains nothing: every update is still judged before
 it enters theta, and a strike breaks its record (RECORD more useful updates at a newcomer's share to graduate
 again). Merging a graduate's update directly at its weight, on a credential of the sponsors' signed verdicts,
@@ -69,14 +65,14 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
+from p2p_diloco.sync.echoes import without_echoes
+from p2p_diloco.sync.heralds import Heralds
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
 NEAR_COPY = 0.95
 """A proposal whose |cosine| with another update merged this round is at least this is relayed with nothing."""
 MAX_WINDOW = 256
 """Samples of this round's merged updates a sponsor compares proposals with (the oldest drop out)."""
-ECHO = 2
-"""Phases of theta's recent moves a sponsor removes from what it relays (`_fresh`)."""
 MAX_EARNED = 4096
 """Authors whose judged worth (and, at a sponsor, record) a replica keeps (the least recent drop out)."""
 RECORD = 2
@@ -87,12 +83,22 @@ merges its update (weight 0), so its next phase starts without it and re-does pa
 of it counts that part twice. Measured (BENCHMARKS "Graduation", 3 sponsors and 3 honest graduates, against the
 same run with no graduation): `test` +4.6% at 1, -2.2% at 0.5, -0.5% at 0.25; `tiny` +2.0% at 0.5, -1.3% at
 0.25. 0.25 is the largest share that did not make an honest run worse on either. Since a sponsor removes its
-recent moves from what it relays (`_fresh`), much of that double count is gone on `test` (1: -1.7%) but not on
+recent moves from what it relays (sync/echoes.py), much of that double count is gone on `test` (1: -1.7%) but not on
 `tiny` (0.5: +1.0%, 1: +6.8% against 0.25: BENCHMARKS "Echoes")."""
 PROVEN = 0.1
 """Least value that counts as useful for the record. Honest work on shared data is judged ~0.45 (BENCHMARKS "Can
 a paired loss change tell honest work from an attack?"), noise ~0.016 on the 4096 sampled coordinates, negated
 work and near copies 0."""
+
+
+class _Seen(NamedTuple):
+    """An update merged this round, as the copy rule sees it."""
+
+    unit: Tensor
+    date: float
+    """Its herald's date, or its merge's (sync/heralds.py)."""
+    slot: tuple[str, int] | None
+    """A proposal's (author, seq) while it holds the credit as the first of its near copies; else None."""
 
 
 class Relayed(NamedTuple):
@@ -127,7 +133,10 @@ class Sponsorship:
         self.judged: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()  # at a sponsor, for views:
         # (author, seq) -> (v, the share of its step relayed in full: keep for a graduate's, 0 for a proposal's)
         self._latest: dict[str, Tensor] = {}  # each sponsor's latest update, sampled: what proposals are judged by
-        self._window: list[Tensor] = []  # unit samples of this round's merged updates
+        self._window: list[_Seen] = []  # this round's merged updates, as the copy rule sees them
+        self.heralds = Heralds()  # at a sponsor: when each proposal was first heard of (sync/heralds.py)
+        self._now = 0.0  # the latest date given to `merged`
+        self._disowned: OrderedDict[tuple[str, int], bool] = OrderedDict()  # near copies whose credit was taken back
         self._relay: Tensor | None = None  # sum of v(u) * step(u) of proposals, in theta's units
         self._full: Tensor | None = None  # sum of keep(u) * step(u) of graduates' proposals
         self._carried = 0.0
@@ -160,11 +169,18 @@ class Sponsorship:
     def graduates(self) -> list[str]:
         return [a for a in self._record if self.graduated(a)]
 
+    def heard(self, author: str, seq: int, update_id: bytes, now: float) -> None:
+        """A verified herald (sync/heralds.py): a proposal's signed header, sent to the sponsors ahead of it."""
+        if self.judging and author not in self.sponsors:
+            self.heralds.heard(author, seq, update_id, now)
+
     def merged(self, author: str, seq: int, sample: Tensor | None, step: Tensor | Decoded | None,
-               factor: float = 1.0, at: Tensor | None = None) -> None:
+               factor: float = 1.0, at: Tensor | None = None, *, update_id: bytes | None = None,
+               now: float | None = None) -> None:
         """An update merged here (`step * factor`: what it would move theta by at full weight; `sample`: that
         step's values at the copy coordinates `at`, so a proposal that signs itself a larger weight is longer and
-        scaled down). A sponsor keeps its own as the direction to judge by and relays a useful proposal's step."""
+        scaled down). A sponsor keeps its own as the direction to judge by and relays a useful proposal's step;
+        near copies are ranked by date (`update_id`, `now`: its herald's, sync/heralds.py; merge order without)."""
         key = slot_key(self.run_id, author, seq)
         if at is not None:
             self._at = at
@@ -172,33 +188,76 @@ class Sponsorship:
             _bounded(self._authors, key, (author, seq))
         if not self.judging or sample is None:
             return
+        self._now = now = self._now if now is None else max(self._now, now)
         unit = _unit(sample)
         if author in self.sponsors:
             self._latest[author] = sample
             if author == self.self_id:  # the length a graduate is held to: our own work's, not what we carried
                 own = sample - self._relayed_at if self._relayed_at is not None else sample
                 self._own_length, self._relayed_at = float(own.norm()), None
+            if unit is not None:
+                self._window.append(_Seen(unit, now, None))
         elif unit is not None and step is not None:
-            graduate = self.graduated(author)
-            value, keep, copied = self._value(sample, unit)
-            if copied and not graduate:  # it lost a race to its copy (or is one): nothing now, no mark on its record
-                value = keep = 0.0
-            _bounded(self.judged, (author, seq), (value, keep if graduate else 0.0))
-            if graduate:
+            self._judge(author, seq, sample, unit, step, factor, self.heralds.priority(author, seq, update_id, now))
+        del self._window[:-MAX_WINDOW]
+
+    def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
+               date: float) -> None:
+        """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
+        graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
+        race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
+        and its work, relayed already through the copy, is not relayed again."""
+        key = slot_key(self.run_id, author, seq)
+        copied, displaced = self._race(unit, date)
+        if copied:
+            _bounded(self.judged, (author, seq), (0.0, 0.0))
+            self._window.append(_Seen(unit, date, None))
+            return
+        if displaced:
+            self._take_back(displaced, key)
+        graduate = self.graduated(author)
+        value, keep = self._value(sample)
+        _bounded(self.judged, (author, seq), (value, keep if graduate else 0.0))
+        if graduate:
+            if keep > 0 and not displaced:
                 _bounded(self.relayed, author, self.relayed.get(author, 0.0) + keep / len(self.sponsors))
-                if keep > 0:
-                    self._full = _add(self._full, step, factor * keep)
-                    self._carried += factor * keep
-                if len(self._graded) < MAX_VOUCHES:  # what its header can list
-                    self._graded.append((key, value))
-            elif value > 0 and len(self._values) < MAX_VOUCHES:
-                self._relay = _add(self._relay, step, factor * value)
-                self._values.append((key, value))
-            if graduate or not copied:
-                self._note(author, seq, value)
-        if unit is not None:
-            self._window.append(unit)
-            del self._window[:-MAX_WINDOW]
+                self._full = _add(self._full, step, factor * keep)
+                self._carried += factor * keep
+            if len(self._graded) < MAX_VOUCHES and not displaced:  # what its header can list
+                self._graded.append((key, value))
+        elif value > 0 and not displaced and len(self._values) < MAX_VOUCHES:
+            self._relay = _add(self._relay, step, factor * value)
+            self._values.append((key, value))
+        self._note(author, seq, value)
+        self._window.append(_Seen(unit, date, (author, seq) if value > 0 else None))
+
+    def _race(self, unit: Tensor, date: float) -> tuple[bool, list[int]]:
+        """(a near copy dated no later was merged this round, the credited near copies dated after it)."""
+        copied, later = False, []
+        for i, seen in enumerate(self._window):
+            if abs(float(torch.dot(seen.unit, unit))) >= NEAR_COPY:
+                if seen.date <= date:
+                    copied = True
+                elif seen.slot is not None:
+                    later.append(i)
+        return copied, later
+
+    def _take_back(self, displaced: list[int], key: bytes) -> None:
+        """Near copies that took credit before their original was judged: their marks go (and no sponsor's vouch
+        restores them), and a vouch still to be signed for one names the original instead (the relayed work is
+        the same)."""
+        for i in displaced:
+            seen = self._window[i]
+            assert seen.slot is not None
+            author, seq = seen.slot
+            self._window[i] = seen._replace(slot=None)
+            _bounded(self._disowned, seen.slot, True)
+            _bounded(self.judged, seen.slot, (0.0, 0.0))
+            if seq in self._record.get(author, {}):
+                self._record[author][seq] = 0.0
+            lost = slot_key(self.run_id, author, seq)
+            self._values = [(key if k == lost else k, v) for k, v in self._values]
+            self._graded = [(key if k == lost else k, v) for k, v in self._graded]
 
     def relay(self, theta: Tensor | None = None) -> Relayed:
         """What this sponsor's next update carries for the proposals it judged since its last one (`Relayed`):
@@ -225,34 +284,11 @@ class Sponsorship:
             full.mul_((1.0 + share) / sponsors)
             relay = full if relay is None else relay.add_(full)
         if theta is not None:
-            relay = self._fresh(relay, theta)
+            relay, self._snapshots = without_echoes(relay, theta, self._snapshots)
         if relay is not None and self._at is not None and int(self._at[-1]) < relay.numel():
             self._relayed_at = relay[self._at] / (1.0 + share)  # what it will move theta by (`relay_payload`)
         verdicts = [(k, v) for k, v in graded if v > 0] + sorted(values, key=lambda kv: -kv[1])
         return Relayed(relay, pack_vouches(verdicts[:MAX_VOUCHES]), share, carried / sponsors)
-
-    def _fresh(self, relay: Tensor | None, theta: Tensor) -> Tensor | None:
-        """The relayed work without its components along each of theta's moves over our last ECHO phases (the
-        span of the moves, not only their sum: an echo of a window offset from ours is in the span). Those moves
-        are merged already; a proposal that echoes them (`train_echo`, or negated work tilted toward them,
-        sim/adversary.py) is relayed for agreeing with the sponsors, and would move theta along them a second
-        time (3 echoing peers: +9.0% on `test` before this, BENCHMARKS "Echoes"). Costs a sponsor ECHO
-        theta-sized snapshots (and two more vectors while it relays)."""
-        snapshots, self._snapshots = self._snapshots, [theta.clone(), *self._snapshots[:ECHO - 1]]
-        if relay is None:
-            return relay
-        basis: list[Tensor] = []
-        for i, older in enumerate(snapshots):  # move i: snapshot i - the point after it, newest first
-            newer = theta if i == 0 else snapshots[i - 1]
-            move = older.sub_(newer) if i == ECHO - 1 else older - newer  # the oldest is not kept: in place
-            for b in basis:  # Gram-Schmidt
-                move.sub_(b, alpha=float(torch.dot(move, b)))
-            norm = float(move.norm())
-            if norm > 0 and math.isfinite(norm):
-                basis.append(move.div_(norm))
-        for b in basis:
-            relay.sub_(b, alpha=float(torch.dot(relay, b)))
-        return relay
 
     def vouched(self, sponsor: str, values: Iterable[tuple[bytes, float]]) -> None:
         """A sponsor's update merged here: count what each author's proposals were judged worth (views and
@@ -269,16 +305,16 @@ class Sponsorship:
     def _note(self, author: str, seq: int, value: float) -> None:
         """The record: per slot the best value a sponsor gave it (a slot this sponsor lost to a copy's race may
         still be vouched for by another), the latest few slots."""
+        if (author, seq) in self._disowned:  # a copy that lost its credit to its original: no vouch restores it
+            return
         record = self._record.get(author, {})
         record[seq] = max(value, record.get(seq, 0.0))
         _bounded(self._record, author, {k: record[k] for k in sorted(record)[-RECORD - 2:]})
 
-    def _value(self, sample: Tensor, unit: Tensor) -> tuple[float, float, bool]:
-        """(v, keep, copied): a proposal's value, the share of a graduate's step to relay, and whether it is a near
-        copy of an update merged this round."""
-        copied = any(abs(float(torch.dot(other, unit))) >= NEAR_COPY for other in self._window)
+    def _value(self, sample: Tensor) -> tuple[float, float]:
+        """(v, keep): a proposal's value and the share of a graduate's step to relay."""
         if self.self_id not in self._latest:
-            return 0.0, 0.0, copied  # no work of our own yet to judge by
+            return 0.0, 0.0  # no work of our own yet to judge by
         latest = list(self._latest.values())
         own = torch.stack(latest).sum(0)  # the direction: what the sponsors' work shares
         length = sum(float(x.norm()) for x in latest) / len(latest)  # the length: one update's, not the sum's
@@ -286,10 +322,10 @@ class Sponsorship:
             length = min(length, self._own_length)
         norm, own_norm = float(sample.norm()), float(own.norm())
         if not (own_norm > 0 and math.isfinite(own_norm)):
-            return 0.0, 0.0, copied
+            return 0.0, 0.0
         cos = float(torch.dot(sample, own)) / (norm * own_norm)
         capped = min(1.0, length / norm)
-        return min(1.0, max(0.0, cos)) * capped, GRADUATE_SHARE * capped if cos > 0 else 0.0, copied
+        return min(1.0, max(0.0, cos)) * capped, GRADUATE_SHARE * capped if cos > 0 else 0.0
 
 
 def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:

@@ -161,7 +161,8 @@ class Standing:
             self.reference.fold(delta)
 
     def sponsored_merge(self, sender: str, seq: int, delta: Tensor | Decoded, step: Tensor | Decoded | None,
-                        factor: float, vouches: list[tuple[bytes, float]]) -> None:
+                        factor: float, vouches: list[tuple[bytes, float]], *, update_id: bytes | None = None,
+                        now: float | None = None) -> None:
         """After a merge in a run with sponsors: a sponsor judges and relays it (sync/sponsorship.py); a sponsor's
         header says what it relayed."""
         sponsorship = self.sponsorship
@@ -172,7 +173,7 @@ class Standing:
             source = Decoded.of(step if step is not None else delta)
             at = self.copies.sample_at(source.numel)
             sample = source.take(at) * factor
-        sponsorship.merged(sender, seq, sample, step, factor, at)
+        sponsorship.merged(sender, seq, sample, step, factor, at, update_id=update_id, now=now)
         if vouches:
             sponsorship.vouched(sender, vouches)
 

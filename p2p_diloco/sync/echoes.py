@@ -1,0 +1,43 @@
+"""Echoes: what a sponsor relays, without what theta has just done (sync/sponsorship.py).
+
+A judge of directions values a proposal for pointing along the sponsors' work; but the sponsors' recent work is
+merged already, so a proposal that echoes theta's recent move (an attacker's, or the part of an honest one that
+redoes what the swarm just did) would be relayed for it and move theta along it a second time. Before it signs,
+a sponsor removes from what it relays every component along theta's moves over its last ECHO phases: only what is
+new is relayed. Measured (BENCHMARKS "Echoes", `test`, against 3 honest peers in the attackers' place): 3 peers
+that echo theta's move cost +9.0% before, +5.0% after (less than 3 peers whose work is never relayed, +6.0%);
+negated work tilted toward the swarm's direction +11.8% before, +6.2% after; and an honest run's loss fell 3% (its
+graduates' relayed work had carried the same echo).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+ECHO = 2
+"""Phases of theta's recent moves a sponsor removes from what it relays."""
+
+
+def without_echoes(relay: Tensor | None, theta: Tensor, snapshots: list[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
+    """(The relayed work without its components along each of theta's moves over the last ECHO phases, the
+    snapshots to pass next time). `snapshots`: theta at the last ECHO relays, newest first (consumed: the oldest
+    is reused in place). The span of the moves, not only their sum: an echo of a window offset from ours is in the
+    span. Costs a sponsor ECHO theta-sized snapshots (and two more vectors while it relays)."""
+    kept = [theta.clone(), *snapshots[:ECHO - 1]]
+    if relay is None:
+        return relay, kept
+    basis: list[Tensor] = []
+    for i, older in enumerate(snapshots):  # move i: snapshot i - the point after it, newest first
+        newer = theta if i == 0 else snapshots[i - 1]
+        move = older.sub_(newer) if i == ECHO - 1 else older - newer  # the oldest is not kept: in place
+        for b in basis:  # Gram-Schmidt
+            move.sub_(b, alpha=float(torch.dot(move, b)))
+        norm = float(move.norm())
+        if norm > 0 and math.isfinite(norm):
+            basis.append(move.div_(norm))
+    for b in basis:
+        relay.sub_(b, alpha=float(torch.dot(relay, b)))
+    return relay, kept

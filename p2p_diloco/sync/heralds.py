@@ -1,0 +1,48 @@
+"""Heralds: which of two near-copy proposals came first, by an order a copier cannot forge.
+
+A sponsor relays a proposal's work and marks its author's record only for the first of a group of near copies
+(sync/sponsorship.py); the others get nothing. Judged in the order their payloads merged, a copy that reaches a
+sponsor before its original takes the original's judgment: a crowd with a faster path to the sponsors than the
+volunteer's graduates copiers (BENCHMARKS "Copy races with a stream per unit": 3 to 14 (sponsor, copier) pairs).
+
+So an author sends its update's **herald** to the sponsors before the payload: the signed header alone
+(wire/herald.py: author, seq and the payload's sha256, under the update's own signature; a few hundred bytes).
+A sponsor dates a proposal by when it first heard its herald (by when it merged, if that was sooner, if it never
+heard one, or if the herald named other content: a slot claimed early cannot be filled with a copy). A copier
+can herald its copy only once it holds the original's payload, which left after the original's herald: to come
+first, its herald must beat the original's by the payload's whole transfer time.
+
+When an original dated earlier is judged after a copy that took the credit (its payload came first), the copy's
+credit passes to the original (`Sponsorship._judge`): nothing waits for a herald whose payload may never come.
+
+Pure bookkeeping on the caller's clock (simulated or wall): no I/O, no locks (the replica calls it under its own).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+MAX_HEARD = 1024
+"""Heralds remembered (the oldest drop out)."""
+
+
+class Heralds:
+    """One sponsor's heralds (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._heard: OrderedDict[tuple[str, int], tuple[float, bytes]] = OrderedDict()  # slot -> (when, update id)
+
+    def heard(self, author: str, seq: int, update_id: bytes, now: float) -> bool:
+        """A verified herald for `author`'s slot `seq`; the first heard for a slot counts. False if not new."""
+        slot = (author, seq)
+        if slot in self._heard:
+            return False
+        self._heard[slot] = (now, update_id)
+        while len(self._heard) > MAX_HEARD:
+            self._heard.popitem(last=False)
+        return True
+
+    def priority(self, author: str, seq: int, update_id: bytes | None, now: float) -> float:
+        """The date of an update merged `now`: when its herald was first heard, if sooner and for this content."""
+        heard = self._heard.get((author, seq))
+        return min(heard[0], now) if heard is not None and heard[1] == update_id else now

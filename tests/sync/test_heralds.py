@@ -1,0 +1,94 @@
+"""Heralds (sync/heralds.py): a sponsor ranks near-copy proposals by the date it first heard of them (their signed
+headers, sent ahead of the payloads), so a copy whose payload comes first takes the credit only until its original
+is judged; a herald binds the content; without heralds the first payload wins, as before."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from p2p_diloco.sync.sponsorship import RECORD, Sponsorship
+from p2p_diloco.wire.vouches import slot_key, unpack_vouches
+
+DIM = 256
+AT = torch.arange(DIM)
+
+
+def _id(name: str, seq: int = 1) -> bytes:
+    return hashlib.sha256(f"{name}/{seq}".encode()).digest()
+
+
+def _sponsor() -> tuple[Sponsorship, torch.Tensor, torch.Generator]:
+    s = Sponsorship(("s1", "s2"), self_id="s1")
+    g = torch.Generator().manual_seed(0)
+    own = torch.randn(DIM, generator=g)
+    s.merged("s1", 1, own, own, at=AT, now=0.0)  # the direction proposals are judged by
+    return s, own, g
+
+
+def _propose(s: Sponsorship, author: str, step: torch.Tensor, now: float, seq: int = 1,
+             uid: bytes | None = None) -> None:
+    s.merged(author, seq, step, step, at=AT, update_id=uid or _id(author, seq), now=now)
+
+
+def test_a_copy_whose_payload_comes_first_gives_its_credit_to_the_original_heard_first() -> None:
+    s, own, g = _sponsor()
+    original = own + 0.5 * torch.randn(DIM, generator=g)
+    copy = original + 0.01 * torch.randn(DIM, generator=g)  # a near copy: another identity, another payload
+    s.heard("volunteer", 1, _id("volunteer"), now=1.0)  # its herald left ahead of its payload
+    s.heard("copier", 1, _id("copier"), now=1.2)  # the copier could herald only once it held the payload
+    _propose(s, "copier", copy, now=1.5)  # ... but its payload came first: judged, credited for now
+    assert s.judged[("copier", 1)][0] > 0.5
+    _propose(s, "volunteer", original, now=2.0)
+    assert s.judged[("volunteer", 1)][0] > 0.5 and s.judged[("copier", 1)] == (0.0, 0.0)
+    s.vouched("s2", [(slot_key("", "copier", 1), 0.9)])  # another sponsor that credited the copy first
+    assert s._record["copier"][1] == 0.0 and s._record["volunteer"][1] > 0.5  # no vouch restores the copy's
+    relayed = s.relay()
+    assert relayed.step is not None
+    assert float(torch.nn.functional.cosine_similarity(relayed.step, copy, 0)) > 0.999  # the work, relayed once
+    assert [k for k, _ in unpack_vouches(relayed.vouches)] == [slot_key("", "volunteer", 1)]  # in its name
+    assert s.relayed["volunteer"] > 0.3 and "copier" not in s.relayed
+
+
+def test_copiers_that_win_every_payload_race_never_graduate() -> None:
+    s, own, g = _sponsor()
+    for seq in range(1, RECORD + 3):
+        original = own + 0.5 * torch.randn(DIM, generator=g)
+        t = 10.0 * seq
+        s.heard("volunteer", seq, _id("volunteer", seq), now=t)
+        s.heard("copier", seq, _id("copier", seq), now=t + 0.2)
+        _propose(s, "copier", original + 0.01 * torch.randn(DIM, generator=g), now=t + 0.5, seq=seq)
+        _propose(s, "volunteer", original, now=t + 1.0, seq=seq)
+        s.relay()
+    assert s.graduates == ["volunteer"]
+    assert s.judged[("volunteer", RECORD + 1)][1] > 0  # relayed as a member's from its (RECORD + 1)th
+
+
+def test_without_heralds_the_first_payload_wins_as_before() -> None:
+    s, own, g = _sponsor()
+    original = own + 0.5 * torch.randn(DIM, generator=g)
+    _propose(s, "copier", original + 0.01 * torch.randn(DIM, generator=g), now=1.5)
+    _propose(s, "volunteer", original, now=2.0)
+    assert s.judged[("copier", 1)][0] > 0.5 and s.judged[("volunteer", 1)][0] == 0.0
+
+
+def test_a_herald_binds_the_content_a_slot_claimed_early_cannot_be_filled_with_a_copy() -> None:
+    s, own, g = _sponsor()
+    original = own + 0.5 * torch.randn(DIM, generator=g)
+    s.heard("copier", 1, _id("a payload it did not have yet"), now=0.5)  # claims the slot before anyone
+    s.heard("volunteer", 1, _id("volunteer"), now=1.0)
+    _propose(s, "copier", original + 0.01 * torch.randn(DIM, generator=g), now=1.5)  # not what it heralded: dated now
+    _propose(s, "volunteer", original, now=2.0)
+    assert s.judged[("volunteer", 1)][0] > 0.5 and s.judged[("copier", 1)][0] == 0.0
+
+
+def test_a_herald_dates_a_proposal_by_the_earlier_of_the_herald_and_the_merge() -> None:
+    s, _, _ = _sponsor()
+    assert s.heralds.priority("late", 1, _id("late"), now=3.0) == 3.0  # never heralded: its merge
+    s.heard("late", 1, _id("late"), now=4.0)  # a herald that came after its payload (another path) moves nothing
+    assert s.heralds.priority("late", 1, _id("late"), now=3.0) == 3.0
+    s.heard("early", 1, _id("early"), now=1.0)
+    assert not s.heralds.heard("early", 1, _id("early"), now=0.5)  # the first heard counts
+    assert s.heralds.priority("early", 1, _id("early"), now=3.0) == 1.0
+    assert s.heralds.priority("early", 1, _id("other content"), now=3.0) == 3.0
