@@ -168,7 +168,9 @@ class PeerReport(Hooks):
                  # in a run with sponsors (sync/sponsorship.py): at a sponsor, the updates' worth of each author's
                  # work it relayed; everywhere, what the sponsors judged each author's work worth
                  "relayed": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "relayed", {})),
-                 "judged": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "earned", {}))}
+                 "judged": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "earned", {})),
+                 # a proposer's heralds sent to the sponsors, a sponsor's heard and refused (net/gossip/heralds.py)
+                 "heralds": {k: counters.get(f"heralds_{k}", 0) for k in ("sent", "heard", "refused")}}
         if out_dir:
             theta_path, vv_path = save_state(out_dir, theta, vv,
                                              {"peer_id": learner.peer_id, "spec_hash": self.spec.spec_hash(),

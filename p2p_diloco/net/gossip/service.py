@@ -2,12 +2,12 @@
 
 `Gossip` (here) composes the parts, each with one job: `GossipServer` serves both RPCs (serving.py), `Puller`
 runs the pulls (pulls.py), `Announcer` sends the announces (announces.py) to peers `PeerPicker` chooses
-(targets.py), `AntiEntropy` runs the periodic pull (anti_entropy.py), and `KnownVectors` keeps what each remote
-last said it holds (known.py). The "ids" digests are computed in digests.py, the request codec lives in
-messages.py.
+(targets.py), `AntiEntropy` runs the periodic pull (anti_entropy.py), `Heralds` sends and serves heralds
+(heralds.py), and `KnownVectors` keeps what each remote last said it holds (known.py). The "ids" digests are
+computed in digests.py, the request codec lives in messages.py.
 
-Protocol: two RPCs per run on the node's P2P replica; the caller's PeerID is authenticated by libp2p and never
-read from a payload.
+Protocol: two RPCs per run (three in a run with sponsors) on the node's P2P replica; the caller's PeerID is
+authenticated by libp2p and never read from a payload.
 
   announce  "p2p-diloco/<run_id>/announce"
       request  = msgpack {"vv": {sender: seq}, "holes": {sender: [seq]}}   the announcer's version vector
@@ -31,6 +31,11 @@ read from a payload.
       A full batch means more may remain, so the requester pulls again (at most MAX_PULL_ROUNDS rounds).
       The request also tells the responder what the requester holds: if that is anything the responder
       lacks, the responder schedules a pull back, so every exchange runs both ways.
+
+  herald    "p2p-diloco/<run_id>/herald"       in a run with sponsors, served by the sponsors only
+      request  = msgpack {"v", "h", "s"}: a proposer's update header and signature, sent to every sponsor
+                 before it announces the update (wire/herald.py; net/gossip/heralds.py)
+      response = b""; the sponsor dates the proposal by it for the copy rule (sync/heralds.py)
 
 Rules:
   - Every received update goes through `Intake.receive` (size, signature, digest, layout, then the replica's
@@ -91,6 +96,7 @@ from p2p_diloco.net.admission.guard import PeerGuard
 from p2p_diloco.net.admission.meter import adapted
 from p2p_diloco.net.gossip.announces import Announcer
 from p2p_diloco.net.gossip.anti_entropy import AntiEntropy
+from p2p_diloco.net.gossip.heralds import Heralds
 from p2p_diloco.net.gossip.known import KnownVectors
 from p2p_diloco.net.gossip.messages import GossipConfig, decode_request, encode_request
 from p2p_diloco.net.gossip.pulls import FailureLog, Puller, lacks
@@ -112,6 +118,11 @@ _STATS = ("published", "bytes_sent", "bytes_received", "announces_sent", "announ
           "announces_dropped", "pulls", "pull_failures", "pulls_served", "pulls_dropped", "updates_received",
           "updates_new", "bad_requests", "pulls_skipped", "evidence_found", "id_mismatches", "serves_cut",
           "serves_busy")
+
+
+def _sponsors(intake: Intake) -> list[str]:
+    standing = intake.replica.standing
+    return sorted(standing.sponsorship.sponsors) if standing is not None else []
 
 
 class Gossip:
@@ -143,6 +154,8 @@ class Gossip:
         self._server = GossipServer(node, (self.announce_name, self.pull_name), intake, store, self.config,
                                     guard=guard, known=self._known, puller=self._puller, max_serves=self.max_serves,
                                     stats=self.stats, failures=failures, on_vector=on_vector)
+        self._heralds = Heralds(node, run_id, intake, sponsors=lambda: _sponsors(intake), guard=guard,
+                                timeout_s=self.config.rpc_timeout_s, stats=self.stats)
         self.rpc_stats: dict[str, rpc.RpcStats] = self._server.rpc_stats
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -154,6 +167,10 @@ class Gossip:
             raise RuntimeError("Gossip.start called twice")
         self._loop = asyncio.get_running_loop()
         await self._server.serve()
+        if self._heralds.judging:  # a sponsor: proposers herald their updates to it (net/gossip/heralds.py)
+            await self._heralds.serve()
+        if self._heralds.rpc_stats is not None:
+            self.rpc_stats["herald"] = self._heralds.rpc_stats
         self._puller.start()
         self._anti_entropy.start()
         logger.info("gossip started run_id=%s peer_id=%s fanout=%d anti_entropy_s=%g", self.run_id,
@@ -161,12 +178,14 @@ class Gossip:
 
     async def stop(self) -> None:
         """Cancel every task and stop serving; bounded by about 2 * rpc_timeout_s. Idempotent."""
-        tasks = [*self._puller.halt(), *self._anti_entropy.halt(), *self._announcer.halt()]
+        tasks = [*self._puller.halt(), *self._anti_entropy.halt(), *self._announcer.halt(), *self._heralds.halt()]
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.rpc_timeout_s)
         self._puller.clear()
         self._known.clear()
         await self._server.unserve()
+        if self._heralds.rpc_stats is not None:
+            await self._heralds.unserve()
         logger.info("gossip stopped run_id=%s peer_id=%s stats=%s", self.run_id, self.node.peer_id, self.stats)
 
     async def publish(self, update: OuterUpdate) -> None:
@@ -182,6 +201,7 @@ class Gossip:
                            update.seq)
         self.store.add(update)
         self.stats["published"] += 1
+        self._heralds.send(update)  # to the sponsors, ahead of the announce that lets anyone pull the payload
         self._announcer.announce()
 
     async def request_pull(self, peer: str) -> None:
