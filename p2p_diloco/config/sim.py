@@ -45,6 +45,9 @@ class SimConfig:
     sponsors: int = 0
     """The first this many peers are the run's sponsors (their keys in the spec's `defence.sponsors`): a run with
     founders (sync/sponsorship.py). 0: the spec's own list."""
+    heralds: bool = True
+    """Proposers send their update's signed header to the sponsors ahead of the payload, and sponsors judge near
+    copies in herald order (sync/heralds.py), as real peers do; False: in the order the payloads merged."""
     iid: bool = True
     """Every unit samples the whole training split, each its own stream, as a real peer's units do (token datasets,
     and the byte corpus's default `num_shards` 1); False: a contiguous file shard each (`--training.num-shards N`)."""

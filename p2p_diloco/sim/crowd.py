@@ -31,6 +31,7 @@ from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.train.data.corpus import Corpus
 from p2p_diloco.train.learner import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update, make_update
+from p2p_diloco.wire.herald import encode_herald
 from p2p_diloco.wire.identity import Identity
 
 CROWD = "crowd"
@@ -55,7 +56,12 @@ class CrowdAttack:
     it. False: they leave the instant the source publishes, each identity on its own uplink, so under latency
     jitter they often beat the original (10 of 32 arrivals in tests/sim/test_crowd_causal.py, 17 of 18 judgments
     in the graduation scenario's noise); no real crowd can send what it has not received, so that is the
-    strongest crowd imaginable, not one that exists."""
+    strongest crowd imaginable, not one that exists (with heralds, theirs leave as early: a copier's herald
+    before it holds the payload it names)."""
+    adjacent: bool = False
+    """The strongest crowd a network allows: it holds the source's update the moment the payload could first have
+    crossed the source's uplink (its heralds and one copy of the payload, plus the plain latency: first in the
+    queue, next door), and its copies and their heralds leave then, each identity on its own uplink."""
 
 
 class CrowdSwarm(HostileSwarm):
@@ -82,7 +88,12 @@ class CrowdSwarm(HostileSwarm):
 
         def publish(update: OuterUpdate) -> None:
             honest_publish(update)
-            self._crowd_publishes(peer, update)
+            if not self.attack.adjacent:
+                self._crowd_publishes(peer, update)
+                return
+            sent = len(encode_update(update)) + len(encode_herald(update)) * len(peer.exchange.heralds_to)
+            held_at = self.queue.now + sent / self.net.bytes_per_s + self.net.latency_s
+            self.queue.push(held_at, self._crowd_publishes, peer, update)
 
         peer.exchange.publish = publish  # type: ignore[method-assign]
         return peer
@@ -127,8 +138,10 @@ class CrowdSwarm(HostileSwarm):
             forged = make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=self.crowd_seq[i], tau=h.tau,
                                  samples=h.samples, weight=self.spec.outer.max_weight, codec=h.codec, numel=h.numel,
                                  payload=payload, identity=identity, created_at=h.created_at)
-            data = encode_update(forged)
+            data, herald = encode_update(forged), encode_herald(forged) if self.sim.heralds else b""
             for target in targets:
+                if herald and target.learner.peer_id in self.spec.defence.sponsors:
+                    self.net.send(identity.peer_id, target.learner.peer_id, herald, herald=True)
                 self.net.send(identity.peer_id, target.learner.peer_id, data)
 
     def _view(self) -> SwarmView:

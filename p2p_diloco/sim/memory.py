@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.train.learner import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
+from p2p_diloco.wire.herald import encode_herald
 
-Handler = Callable[[bytes, str], None]  # (data, sender)
+Handler = Callable[[bytes, str], object]  # (data, sender); what it returns is ignored
 
 
 class MemoryNetwork:
@@ -29,19 +30,25 @@ class MemoryNetwork:
         self.loss = loss
         self.rng = rng
         self.handlers: dict[str, Handler] = {}
+        self.herald_handlers: dict[str, Handler] = {}
         self.bytes_sent: Counter[str] = Counter()
         self.messages_lost = 0
         self.in_flight = 0
         self._uplink_free_at: dict[str, float] = {}
 
-    def attach(self, peer: str, handler: Handler) -> None:
+    def attach(self, peer: str, handler: Handler, on_herald: Handler | None = None) -> None:
         self.handlers[peer] = handler
+        if on_herald is not None:
+            self.herald_handlers[peer] = on_herald
 
     def detach(self, peer: str) -> None:
         self.handlers.pop(peer, None)
+        self.herald_handlers.pop(peer, None)
 
-    def send(self, src: str, dst: str, data: bytes) -> None:
-        """Queue one message on src's uplink; it arrives after transmission time plus latency (or is lost)."""
+    def send(self, src: str, dst: str, data: bytes, *, herald: bool = False, jitter: bool = True) -> None:
+        """Queue one message on src's uplink; it arrives after transmission time plus latency (or is lost).
+        `herald`: an update's herald (wire/herald.py), delivered to the receiver's herald handler; `jitter` False:
+        the plain latency (a crowd next to its source, sim/crowd.py)."""
         self.bytes_sent[src] += len(data)
         start = max(self.queue.now, self._uplink_free_at.get(src, 0.0))
         done = start + len(data) / self.bytes_per_s
@@ -51,9 +58,9 @@ class MemoryNetwork:
             return
         self.in_flight += 1
         latency = self.latency_s
-        if self.latency_jitter_s:
+        if self.latency_jitter_s and jitter:
             latency += self.jitter_rng.uniform(0.0, self.latency_jitter_s)
-        self.queue.push(done + latency, self._deliver, src, dst, data)
+        self.queue.push(done + latency, self._deliver, src, dst, data, herald)
 
     def broadcast(self, src: str, data: bytes) -> None:
         """Full dissemination: one copy to every other attached peer (random order, like gossip targets)."""
@@ -62,9 +69,9 @@ class MemoryNetwork:
         for dst in others:
             self.send(src, dst, data)
 
-    def _deliver(self, src: str, dst: str, data: bytes) -> None:
+    def _deliver(self, src: str, dst: str, data: bytes, herald: bool = False) -> None:
         self.in_flight -= 1
-        handler = self.handlers.get(dst)
+        handler = (self.herald_handlers if herald else self.handlers).get(dst)
         if handler is not None:  # a crashed peer receives nothing
             handler(data, src)
 
@@ -73,10 +80,16 @@ class MemoryExchange:
     """The `Exchange` of one peer on a `MemoryNetwork`: publish = full dissemination of the encoded update."""
 
     def __init__(self, network: MemoryNetwork, peer_id: str, view: Callable[[], SwarmView],
-                 backlog: Callable[[], int] | None = None):
+                 backlog: Callable[[], int] | None = None, heralds_to: Sequence[str] = ()):
         self.network, self.peer_id, self._view, self._backlog = network, peer_id, view, backlog
+        # The sponsors, for a proposer (sync/heralds.py); a sponsor heralds nothing, as a real peer (net/gossip).
+        self.heralds_to = [] if peer_id in heralds_to else list(heralds_to)
 
     def publish(self, update: OuterUpdate) -> None:
+        if self.heralds_to:  # the herald first: on the same uplink, so it leaves ahead of every copy of the payload
+            herald = encode_herald(update)
+            for sponsor in self.heralds_to:
+                self.network.send(self.peer_id, sponsor, herald, herald=True)
         self.network.broadcast(self.peer_id, encode_update(update))
 
     def swarm_view(self) -> SwarmView:

@@ -7,8 +7,8 @@ replica, the unit first runs the steps it would have finished by then (`_advance
 sees updates at the step they would reach on a real network (to within one step); at the phase's end the
 rest of the steps run and the round is published (`_end_phase`).
 
-Dissemination: the sender pushes a copy to every peer (what gossip achieves on average); lost messages and
-joiners' gaps are repaired by anti-entropy, a periodic pull of what a random peer holds and we lack.
+Dissemination: the sender pushes a copy to every peer (what gossip achieves on average), a proposer its herald to
+the sponsors first; anti-entropy (a periodic pull of what a random peer holds) repairs losses and joiners' gaps.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ class AsyncSwarm:
                 spec.defence, sponsors=tuple(i.peer_id for i in self.founders)))
         self.spec = spec.validate()
         self.device = resolve_device(sim.device)
-        self.corpus = corpus
-        self.progress = progress
+        self.corpus, self.progress = corpus, progress
+        self.heralds_to = self.spec.defence.sponsors if sim.heralds else ()  # a proposer's (sync/heralds.py)
         self.rng = random.Random(spec.seed)
         self.queue = EventQueue()
         # Timing noise has its own generator, so that turning it on leaves the other draws unchanged.
@@ -143,17 +143,17 @@ class AsyncSwarm:
         shard, shards, stream = self.sim.unit_data(index, self._shard_of(index), self.num_shards)
         learner = Learner(self.spec, identity, self.corpus, shard=shard, num_shards=shards, replica_state=state,
                           device=self.device, stream=stream)
-        # Gaps and standing are dated on the simulated clock: on the wall clock a loaded machine would time gaps
-        # out (defence.gap_timeout_s) that the simulated network fills soon after, and the run would differ.
+        # Gaps, standing and heralds are dated on the simulated clock: on the wall clock a loaded machine would time
+        # gaps out (defence.gap_timeout_s) that the simulated network fills soon after, and the run would differ.
         learner.replica.set_clock(lambda: self.queue.now)
-        exchange = MemoryExchange(self.net, learner.peer_id, self._view)
+        exchange = MemoryExchange(self.net, learner.peer_id, self._view, heralds_to=self.heralds_to)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
                        speed=speed, store=UpdateStore(max_bytes=256 << 20), exchange=exchange,
                        ticks=rounds(learner, exchange, Schedule(grace=self.sim.grace), TokenBudget(self)),
                        joined_at=self.queue.now)
         peer.intake.attach_store(peer.store)  # as the gossip does: take-backs look updates up there
         self.peers.append(peer)
-        self.net.attach(learner.peer_id, lambda data, src: self._receive(peer, data))
+        self.net.attach(learner.peer_id, lambda data, _: self._receive(peer, data), peer.intake.herald)
         return peer
 
     def _alive(self) -> list[SimPeer]:
