@@ -76,7 +76,8 @@ def test_nobody_heralds_in_a_run_without_sponsors(loop, members) -> None:
                          codec=CODEC.name, numel=NUMEL, identity=members[1].identity,
                          payload=CODEC.compress(torch.zeros(NUMEL)))
     loop.run(_send(heralds, update))
-    assert not heralds.judging and stats["heralds_sent"] == stats["heralds_dropped"] == 0 and not heralds._tasks
+    assert not heralds.judging and heralds._sends.in_flight == 0
+    assert stats["heralds_sent"] == stats["heralds_dropped"] == stats["bytes_sent"] == 0
 
 
 async def _send(heralds: Heralds, update) -> None:  # noqa: ANN001

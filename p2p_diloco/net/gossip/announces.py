@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from p2p_diloco.net.gossip.known import KnownVectors
 from p2p_diloco.net.gossip.messages import GossipConfig, encode_request
 from p2p_diloco.net.gossip.pulls import FailureLog
+from p2p_diloco.net.gossip.sends import Sends
 from p2p_diloco.net.gossip.targets import PeerPicker
-from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
 
@@ -34,7 +34,9 @@ class Announcer:
         self.node, self.announce_name, self.intake, self.config = node, announce_name, intake, config
         self.known, self.picker, self.fanout = known, picker, fanout
         self.stats, self.failures = stats, failures
-        self._tasks: set[asyncio.Task] = set()
+        self._sends = Sends(node, announce_name, limit=MAX_ANNOUNCE_TASKS, timeout_s=config.rpc_timeout_s,
+                            stats=stats, keys=("announces_sent", "announce_failures", "announces_dropped"),
+                            failed=lambda peer, e: failures.log(peer, "announce", e))
 
     def announce(self, exclude: Iterable[str] = ()) -> None:
         """Send our vector to `fanout()` random peers that may lack part of it, each in its own bounded task."""
@@ -44,29 +46,8 @@ class Announcer:
             return
         request = encode_request(ours)
         for peer in targets:
-            if len(self._tasks) >= MAX_ANNOUNCE_TASKS:
-                self.stats["announces_dropped"] += 1
-                continue
-            task = asyncio.create_task(self._announce_to(peer, request), name=f"announce:{peer[-8:]}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._sends.send(peer, request, "announce")
 
     def halt(self) -> list[asyncio.Task]:
         """Cancel the announces in flight; returns their tasks, for the caller to wait on."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        return tasks
-
-    async def _announce_to(self, peer: str, request: bytes) -> None:
-        try:
-            await rpc.call(self.node.p2p, peer, self.announce_name, request, max_response_bytes=16,
-                           timeout_s=self.config.rpc_timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self.stats["announce_failures"] += 1
-            self.failures.log(peer, "announce", e)
-            return
-        self.stats["announces_sent"] += 1
-        self.stats["bytes_sent"] += len(request)
+        return self._sends.halt()

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from p2p_diloco.net.admission.guard import PeerGuard
+from p2p_diloco.net.gossip.sends import Sends
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
@@ -38,9 +39,11 @@ class Heralds:
         self.node, self.intake, self.sponsors, self.timeout_s, self.guard = node, intake, sponsors, timeout_s, guard
         self.name = f"p2p-diloco/{run_id}/herald"
         self.stats = stats
-        for key in ("heralds_sent", "herald_failures", "heralds_dropped", "heralds_heard", "heralds_refused"):
+        for key in ("heralds_heard", "heralds_refused"):
             stats.setdefault(key, 0)
-        self._tasks: set[asyncio.Task] = set()
+        self._sends = Sends(node, self.name, limit=MAX_HERALD_TASKS, timeout_s=timeout_s, stats=stats,
+                            keys=("heralds_sent", "herald_failures", "heralds_dropped"),
+                            failed=lambda peer, e: logger.debug("herald failed sponsor=%s error=%r", peer[-8:], e))
         self.rpc_stats: rpc.RpcStats | None = None
 
     @property
@@ -69,32 +72,13 @@ class Heralds:
         return b""
 
     def send(self, update: OuterUpdate) -> None:
-        """Herald `update` to every sponsor but us, each in its own bounded task; returns at once."""
+        """Herald `update` to every sponsor, each in its own bounded task; returns at once. Only a proposer's own."""
         sponsors = list(self.sponsors())
         if update.sender in sponsors or update.sender != self.node.peer_id:  # also: no sponsors, nobody heralds
             return
         herald = encode_herald(update)
         for sponsor in sponsors:
-            if len(self._tasks) >= MAX_HERALD_TASKS:
-                self.stats["heralds_dropped"] += 1
-                continue
-            task = asyncio.create_task(self._send_to(sponsor, herald), name=f"herald:{sponsor[-8:]}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._sends.send(sponsor, herald, "herald")
 
     def halt(self) -> list[asyncio.Task]:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        return tasks
-
-    async def _send_to(self, sponsor: str, herald: bytes) -> None:
-        try:
-            await rpc.call(self.node.p2p, sponsor, self.name, herald, max_response_bytes=16, timeout_s=self.timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self.stats["herald_failures"] += 1
-            logger.debug("herald failed sponsor=%s error=%r", sponsor[-8:], e)
-            return
-        self.stats["heralds_sent"] += 1
+        return self._sends.halt()
