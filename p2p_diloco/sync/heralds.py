@@ -15,12 +15,19 @@ first, its herald must beat the original's by the payload's whole transfer time.
 When an original dated earlier is judged after a copy that took the credit (its payload came first), the copy's
 credit passes to the original (`Sponsorship._judge`): nothing waits for a herald whose payload may never come.
 
+A sponsor's own updates are not heralded: a proposal near one is a copy whatever the dates, and one that took credit
+before the sponsor's update merged here loses it (`race`).
+
 Pure bookkeeping on the caller's clock (simulated or wall): no I/O, no locks (the replica calls it under its own).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
 
 MAX_HEARD = 1024
 """Heralds remembered (the oldest drop out)."""
@@ -46,3 +53,31 @@ class Heralds:
         """The date of an update merged `now`: when its herald was first heard, if sooner and for this content."""
         heard = self._heard.get((author, seq))
         return min(heard[0], now) if heard is not None and heard[1] == update_id else now
+
+
+class Seen(NamedTuple):
+    """An update a sponsor merged this round, as the copy rule sees it (sync/sponsorship.py)."""
+
+    unit: Tensor
+    """Its step's sample, unit length."""
+    date: float
+    """Its herald's date, or its merge's."""
+    slot: tuple[str, int] | None
+    """A proposal's (author, seq) while it holds the credit as the first of its near copies; else None."""
+    sponsor: bool = False
+    """A sponsor's update: a proposal near it is a copy whatever the dates (sponsors do not herald)."""
+
+
+def race(window: list[Seen], unit: Tensor, date: float, near: float, *,
+         sponsor: bool = False) -> tuple[bool, list[int]]:
+    """For an update dated `date` (`unit`: its sample, unit length): (is it a near copy (|cos| >= `near`) of one in
+    `window` dated no later, or of a sponsor's; the indices of the credited near copies dated after it, or of all
+    credited near copies for a `sponsor`'s update)."""
+    copied, later = False, []
+    for i, seen in enumerate(window):
+        if abs(float(torch.dot(seen.unit, unit))) >= near:
+            if seen.sponsor or (not sponsor and seen.date <= date):
+                copied = True
+            elif seen.slot is not None:
+                later.append(i)
+    return copied, later

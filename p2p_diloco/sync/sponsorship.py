@@ -66,7 +66,7 @@ from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.echoes import without_echoes
-from p2p_diloco.sync.heralds import Heralds
+from p2p_diloco.sync.heralds import Heralds, Seen, race
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
 NEAR_COPY = 0.95
@@ -89,16 +89,6 @@ PROVEN = 0.1
 """Least value that counts as useful for the record. Honest work on shared data is judged ~0.45 (BENCHMARKS "Can
 a paired loss change tell honest work from an attack?"), noise ~0.016 on the 4096 sampled coordinates, negated
 work and near copies 0."""
-
-
-class _Seen(NamedTuple):
-    """An update merged this round, as the copy rule sees it."""
-
-    unit: Tensor
-    date: float
-    """Its herald's date, or its merge's (sync/heralds.py)."""
-    slot: tuple[str, int] | None
-    """A proposal's (author, seq) while it holds the credit as the first of its near copies; else None."""
 
 
 class Relayed(NamedTuple):
@@ -133,7 +123,7 @@ class Sponsorship:
         self.judged: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()  # at a sponsor, for views:
         # (author, seq) -> (v, the share of its step relayed in full: keep for a graduate's, 0 for a proposal's)
         self._latest: dict[str, Tensor] = {}  # each sponsor's latest update, sampled: what proposals are judged by
-        self._window: list[_Seen] = []  # this round's merged updates, as the copy rule sees them
+        self._window: list[Seen] = []  # this round's merged updates, as the copy rule sees them
         self.heralds = Heralds()  # at a sponsor: when each proposal was first heard of (sync/heralds.py)
         self._now = 0.0  # the latest date given to `merged`
         self._disowned: OrderedDict[tuple[str, int], bool] = OrderedDict()  # near copies whose credit was taken back
@@ -195,8 +185,9 @@ class Sponsorship:
             if author == self.self_id:  # the length a graduate is held to: our own work's, not what we carried
                 own = sample - self._relayed_at if self._relayed_at is not None else sample
                 self._own_length, self._relayed_at = float(own.norm()), None
-            if unit is not None:
-                self._window.append(_Seen(unit, now, None))
+            if unit is not None:  # proposals near it that took credit lose it: copies of a founder's work
+                self._take_back(race(self._window, unit, now, NEAR_COPY, sponsor=True)[1], None)
+                self._window.append(Seen(unit, now, None, sponsor=True))
         elif unit is not None and step is not None:
             self._judge(author, seq, sample, unit, step, factor, self.heralds.priority(author, seq, update_id, now))
         del self._window[:-MAX_WINDOW]
@@ -208,10 +199,10 @@ class Sponsorship:
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
         and its work, relayed already through the copy, is not relayed again."""
         key = slot_key(self.run_id, author, seq)
-        copied, displaced = self._race(unit, date)
+        copied, displaced = race(self._window, unit, date, NEAR_COPY)
         if copied:
             _bounded(self.judged, (author, seq), (0.0, 0.0))
-            self._window.append(_Seen(unit, date, None))
+            self._window.append(Seen(unit, date, None))
             return
         if displaced:
             self._take_back(displaced, key)
@@ -229,23 +220,12 @@ class Sponsorship:
             self._relay = _add(self._relay, step, factor * value)
             self._values.append((key, value))
         self._note(author, seq, value)
-        self._window.append(_Seen(unit, date, (author, seq) if value > 0 else None))
+        self._window.append(Seen(unit, date, (author, seq) if value > 0 else None))
 
-    def _race(self, unit: Tensor, date: float) -> tuple[bool, list[int]]:
-        """(a near copy dated no later was merged this round, the credited near copies dated after it)."""
-        copied, later = False, []
-        for i, seen in enumerate(self._window):
-            if abs(float(torch.dot(seen.unit, unit))) >= NEAR_COPY:
-                if seen.date <= date:
-                    copied = True
-                elif seen.slot is not None:
-                    later.append(i)
-        return copied, later
-
-    def _take_back(self, displaced: list[int], key: bytes) -> None:
+    def _take_back(self, displaced: list[int], key: bytes | None) -> None:
         """Near copies that took credit before their original was judged: their marks go (and no sponsor's vouch
-        restores them), and a vouch still to be signed for one names the original instead (the relayed work is
-        the same)."""
+        restores them), and a vouch still to be signed for one names the original proposal's `key` instead (the
+        relayed work is the same; a sponsor's original, None, is not a proposal: the vouch stays)."""
         for i in displaced:
             seen = self._window[i]
             assert seen.slot is not None
@@ -256,8 +236,9 @@ class Sponsorship:
             if seq in self._record.get(author, {}):
                 self._record[author][seq] = 0.0
             lost = slot_key(self.run_id, author, seq)
-            self._values = [(key if k == lost else k, v) for k, v in self._values]
-            self._graded = [(key if k == lost else k, v) for k, v in self._graded]
+            if key is not None:
+                self._values = [(key if k == lost else k, v) for k, v in self._values]
+                self._graded = [(key if k == lost else k, v) for k, v in self._graded]
 
     def relay(self, theta: Tensor | None = None) -> Relayed:
         """What this sponsor's next update carries for the proposals it judged since its last one (`Relayed`):

@@ -92,3 +92,19 @@ def test_a_herald_dates_a_proposal_by_the_earlier_of_the_herald_and_the_merge() 
     assert not s.heralds.heard("early", 1, _id("early"), now=0.5)  # the first heard counts
     assert s.heralds.priority("early", 1, _id("early"), now=3.0) == 1.0
     assert s.heralds.priority("early", 1, _id("other content"), now=3.0) == 3.0
+
+
+def test_a_copy_of_a_sponsors_update_earns_nothing_whatever_its_herald_says() -> None:
+    s, own, g = _sponsor()
+    theirs = own + 0.5 * torch.randn(DIM, generator=g)  # sponsor s2's next update, which s1 has not merged yet
+    s.heard("copier", 1, _id("copier"), now=1.0)  # heralded before s2's payload reached us: sponsors do not herald
+    _propose(s, "copier", theirs + 0.01 * torch.randn(DIM, generator=g), now=1.5)
+    assert s.judged[("copier", 1)][0] > 0.5  # nothing to compare it with yet
+    s.merged("s2", 1, theirs, theirs, at=AT, now=2.0)
+    assert s.judged[("copier", 1)] == (0.0, 0.0) and s._record["copier"][1] == 0.0  # its credit taken back
+    s.relay()  # a new round
+    again = own + 0.5 * torch.randn(DIM, generator=g)
+    s.heard("copier", 2, _id("copier", 2), now=2.5)  # its herald beat s2's payload here ...
+    s.merged("s2", 2, again, again, at=AT, now=3.0)
+    _propose(s, "copier", again + 0.01 * torch.randn(DIM, generator=g), now=3.5, seq=2)  # ... its payload did not
+    assert s.judged[("copier", 2)] == (0.0, 0.0) and not s.graduated("copier")
