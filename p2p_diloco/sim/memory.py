@@ -45,10 +45,9 @@ class MemoryNetwork:
         self.handlers.pop(peer, None)
         self.herald_handlers.pop(peer, None)
 
-    def send(self, src: str, dst: str, data: bytes, *, herald: bool = False, jitter: bool = True) -> None:
+    def send(self, src: str, dst: str, data: bytes, *, herald: bool = False) -> None:
         """Queue one message on src's uplink; it arrives after transmission time plus latency (or is lost).
-        `herald`: an update's herald (wire/herald.py), delivered to the receiver's herald handler; `jitter` False:
-        the plain latency (a crowd next to its source, sim/crowd.py)."""
+        `herald`: an update's herald (wire/herald.py), delivered to the receiver's herald handler."""
         self.bytes_sent[src] += len(data)
         start = max(self.queue.now, self._uplink_free_at.get(src, 0.0))
         done = start + len(data) / self.bytes_per_s
@@ -58,7 +57,7 @@ class MemoryNetwork:
             return
         self.in_flight += 1
         latency = self.latency_s
-        if self.latency_jitter_s and jitter:
+        if self.latency_jitter_s:
             latency += self.jitter_rng.uniform(0.0, self.latency_jitter_s)
         self.queue.push(done + latency, self._deliver, src, dst, data, herald)
 
