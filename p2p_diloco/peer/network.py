@@ -237,7 +237,7 @@ class PeerNetwork:
         replica.load(theta, vv)
         if replica.standing is not None and manifests:  # whom to merge before we can vet (standing.py)
             with replica.lock:
-                replica.standing.inherit(manifests[0].trusted, manifests[0].distrusted)
+                replica.standing.inherit(manifests[0].trusted, manifests[0].distrusted, known=vv)
         self.sync_donor = donor  # serve() pulls from it at once: catch-up need not wait for anti-entropy
         return donor, vv, theta.numel()
 

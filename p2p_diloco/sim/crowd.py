@@ -107,7 +107,8 @@ class CrowdSwarm(HostileSwarm):
         donor = self.rng.choice(alive)
         peer = self._add_peer(1.0, state=donor.learner.replica.snapshot())
         if donor.learner.replica.standing is not None and peer.learner.replica.standing is not None:
-            peer.learner.replica.standing.inherit(*donor.learner.replica.standing.inheritance(MAX_INHERITED))
+            peer.learner.replica.standing.inherit(*donor.learner.replica.standing.inheritance(MAX_INHERITED),
+                                                  known=donor.learner.replica.version_vector)
         sync_s = peer.learner.numel * 4 / self.net.bytes_per_s + self.sim.latency_s
         self.net.bytes_sent[donor.learner.peer_id] += peer.learner.numel * 4
         for update in donor.store.missing_for(peer.learner.replica.version_vector, limit=1 << 30):

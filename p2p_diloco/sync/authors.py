@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 MAX_INHERITED = 512
 """Authors of each kind a donor passes to a joiner (`inheritance`), the most recent first."""
@@ -54,6 +54,7 @@ class Authors:
         # reference, not matched by a copy so far)
         self.candidates: OrderedDict[str, int] = OrderedDict()
         self.inherited: set[str] | None = None  # a joiner's donor's word (`inherit`); None: no donor
+        self.snapshot_authors: frozenset[str] = frozenset()  # the authors its snapshot held updates of
 
     def average(self, sender: str, agreement: float) -> float:
         """`sender`'s average agreement with an update at `agreement` included (not recorded: `note_average`)."""
@@ -118,8 +119,13 @@ class Authors:
             self.candidates.pop(author)
 
     def unvetted(self, sender: str) -> bool:
-        """A joiner before its first update (no reference yet): an author that is not its donor's, nor itself."""
-        return self.inherited is not None and sender != self.self_id and sender not in self.inherited
+        """A joiner before its first update (no reference yet): an author its snapshot holds updates of that the
+        donor did not merge with a weight lately, nor itself. An author the snapshot holds nothing of is not:
+        the joiner sees it from its first update, as the donor did, and judges it as the donor does (with the
+        rule applied to it, a peer that started while its donor's snapshot was cut merged at 0 on the joiner
+        what it merged at 1 everywhere else, and the replicas differed for good)."""
+        return (self.inherited is not None and sender != self.self_id and sender not in self.inherited
+                and sender in self.snapshot_authors)
 
     def inheritance(self, limit: int) -> tuple[list[str], list[str]]:
         """(authors whose last update merged here with a weight, distrusted authors), the `limit` most recent of
@@ -129,13 +135,15 @@ class Authors:
             trusted = [self.self_id, *trusted[:limit - 1]]
         return trusted, list(reversed(self.distrusted))[:limit]
 
-    def inherit(self, good: Sequence[str], distrusted: Sequence[str]) -> None:
-        """A donor's word, after a state sync: until our own first update gives us a reference, an author past
-        its probation merges only if the donor merged it with a weight lately (authors still on probation merge
-        at it, as everywhere), and the donor's distrusted never do. Without it a joiner would merge a crowd's
+    def inherit(self, good: Sequence[str], distrusted: Sequence[str], *, known: Iterable[str]) -> None:
+        """A donor's word, after a state sync of a snapshot that held updates of the authors `known`: until our
+        own first update gives us a reference, such an author past its probation merges only if the donor merged
+        it with a weight lately (authors still on probation merge at it, as everywhere; authors not `known`, as
+        the donor judges them), and the donor's distrusted never do. Without it a joiner would merge a crowd's
         updates unvetted, at full weight past their probation, and be poisoned at once (measured: a late
         volunteer under 10 sign-flipping identities was then refused by everyone)."""
         self.inherited = set(good)
+        self.snapshot_authors = frozenset(known)
         for author in distrusted:
             if author != self.self_id:
                 self.distrusted[author] = "inherited"

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -195,9 +195,10 @@ class Standing:
         """What a joiner syncing from us merges before its own first update (`Authors.inheritance`)."""
         return self.authors.inheritance(limit)
 
-    def inherit(self, good: Sequence[str], distrusted: Sequence[str]) -> None:
-        """A donor's word, after a state sync (`Authors.inherit`)."""
-        self.authors.inherit(good, distrusted)
+    def inherit(self, good: Sequence[str], distrusted: Sequence[str], *, known: Iterable[str]) -> None:
+        """A donor's word, after a state sync of a snapshot holding updates of the authors `known`
+        (`Authors.inherit`)."""
+        self.authors.inherit(good, distrusted, known=known)
 
     def proven(self, now: float, window_s: float) -> set[str]:
         """The members whose votes count (`Authors.proven`)."""

@@ -197,10 +197,13 @@ def test_a_joiner_merges_only_its_donors_trusted_authors_until_it_can_vet() -> N
     assert set(good) == {"me", "b"} and distrusted == ["evil"]
 
     joiner = standing(self_id="j")
-    joiner.inherit(good, distrusted)
+    joiner.inherit(good, distrusted, known=["me", "b", "evil", "stranger"])  # the snapshot's authors
     assert joiner.judge("b", 8, direction(2)).multiplier == 1.0  # trusted by the donor: merges (unvetted)
     assert joiner.judge("evil", 13, direction(2)).multiplier == 0.0  # distrusted by the donor
     assert joiner.judge("stranger", 40, -direction(3)).reason == "unvetted"  # unknown: waits for our reference
+    # A peer the snapshot held nothing of started after it was cut: the joiner sees it from its 1st update, as
+    # the donor does, and merges its 3rd at full weight as the donor does (at 0 the replicas would differ).
+    assert joiner.judge("late", 3, direction(6)).multiplier == 1.0
     joiner.observe("j", direction(4), joiner.judge("j", 1, direction(4)), now=3.0)  # our own first update
     assert joiner.judge("stranger", 41, direction(5)).multiplier == 1.0  # now vetted like anyone
     assert joiner.judge("stranger", 42, -direction(5)).reason == "disagrees"
