@@ -18,6 +18,15 @@ credit passes to the original (`Sponsorship._judge`): nothing waits for a herald
 A sponsor's own updates are not heralded: a proposal near one is a copy whatever the dates, and one that took credit
 before the sponsor's update merged here loses it (`race`).
 
+Bounded, and a flood cannot push a proven author's herald out: heralds cost a crowd nothing but signatures (each
+identity signs its own), so with one table of the last MAX_HEARD a crowd heralding more than that between a
+volunteer's herald and its payload evicted it, and the volunteer was dated by its merge again. Authors this
+sponsor judged useful before (`member`) keep their heralds in a table of their own; everyone else shares the
+other, at most MAX_PER_STRANGER heralds per author (an author heralding many seqs pushes out only its own). A
+crowd of fresh identities can still crowd a newcomer's first heralds out of the strangers' table: the cost of a
+place in the members' table is a proposal judged useful, which no copier earns (its copies are dated after their
+originals).
+
 Pure bookkeeping on the caller's clock (simulated or wall): no I/O, no locks (the replica calls it under its own).
 """
 
@@ -30,28 +39,56 @@ import torch
 from torch import Tensor
 
 MAX_HEARD = 1024
-"""Heralds remembered (the oldest drop out)."""
+"""Heralds remembered per table, members' and strangers' (the oldest drop out)."""
+MAX_PER_STRANGER = 2
+"""Heralds remembered per author in the strangers' table (an honest proposer has one update in flight)."""
+
+Slot = tuple[str, int]
 
 
 class Heralds:
     """One sponsor's heralds (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._heard: OrderedDict[tuple[str, int], tuple[float, bytes]] = OrderedDict()  # slot -> (when, update id)
+        # slot -> (when, update id), oldest first: authors judged useful here before, and everyone else
+        self._members: OrderedDict[Slot, tuple[float, bytes]] = OrderedDict()
+        self._strangers: OrderedDict[Slot, tuple[float, bytes]] = OrderedDict()
+        self._per_author: dict[str, list[int]] = {}  # a stranger's seqs in its table, oldest first
 
-    def heard(self, author: str, seq: int, update_id: bytes, now: float) -> bool:
-        """A verified herald for `author`'s slot `seq`; the first heard for a slot counts. False if not new."""
+    def __len__(self) -> int:
+        return len(self._members) + len(self._strangers)
+
+    def heard(self, author: str, seq: int, update_id: bytes, now: float, *, member: bool = False) -> bool:
+        """A verified herald for `author`'s slot `seq` (`member`: an author judged useful here before); the first
+        heard for a slot counts. False if not new."""
         slot = (author, seq)
-        if slot in self._heard:
+        if slot in self._members or slot in self._strangers:
             return False
-        self._heard[slot] = (now, update_id)
-        while len(self._heard) > MAX_HEARD:
-            self._heard.popitem(last=False)
+        if member:
+            self._members[slot] = (now, update_id)
+            if len(self._members) > MAX_HEARD:
+                self._members.popitem(last=False)
+            return True
+        seqs = self._per_author.setdefault(author, [])
+        if len(seqs) >= MAX_PER_STRANGER:
+            self._forget((author, seqs[0]))
+        self._strangers[slot] = (now, update_id)
+        self._per_author.setdefault(author, []).append(seq)
+        if len(self._strangers) > MAX_HEARD:
+            self._forget(next(iter(self._strangers)))
         return True
+
+    def _forget(self, slot: Slot) -> None:
+        """A stranger's herald out of its table."""
+        del self._strangers[slot]
+        seqs = self._per_author[slot[0]]
+        seqs.remove(slot[1])
+        if not seqs:
+            del self._per_author[slot[0]]
 
     def priority(self, author: str, seq: int, update_id: bytes | None, now: float) -> float:
         """The date of an update merged `now`: when its herald was first heard, if sooner and for this content."""
-        heard = self._heard.get((author, seq))
+        heard = self._members.get((author, seq)) or self._strangers.get((author, seq))
         return min(heard[0], now) if heard is not None and heard[1] == update_id else now
 
 

@@ -162,7 +162,8 @@ class Sponsorship:
     def heard(self, author: str, seq: int, update_id: bytes, now: float) -> None:
         """A verified herald (sync/heralds.py): a proposal's signed header, sent to the sponsors ahead of it."""
         if self.judging and author not in self.sponsors:
-            self.heralds.heard(author, seq, update_id, now)
+            useful = any(v >= PROVEN for v in self._record.get(author, {}).values())
+            self.heralds.heard(author, seq, update_id, now, member=useful)
 
     def merged(self, author: str, seq: int, sample: Tensor | None, step: Tensor | Decoded | None,
                factor: float = 1.0, at: Tensor | None = None, *, update_id: bytes | None = None,

@@ -8,6 +8,7 @@ import hashlib
 
 import torch
 
+from p2p_diloco.sync.heralds import MAX_HEARD
 from p2p_diloco.sync.sponsorship import RECORD, Sponsorship
 from p2p_diloco.wire.vouches import slot_key, unpack_vouches
 
@@ -108,3 +109,27 @@ def test_a_copy_of_a_sponsors_update_earns_nothing_whatever_its_herald_says() ->
     s.merged("s2", 2, again, again, at=AT, now=3.0)
     _propose(s, "copier", again + 0.01 * torch.randn(DIM, generator=g), now=3.5, seq=2)  # ... its payload did not
     assert s.judged[("copier", 2)] == (0.0, 0.0) and not s.graduated("copier")
+
+
+def test_a_flood_of_heralds_cannot_push_out_a_proven_authors_and_a_stranger_pushes_out_only_its_own() -> None:
+    s, own, g = _sponsor()
+    _propose(s, "volunteer", own + 0.5 * torch.randn(DIM, generator=g), now=1.0)  # judged useful once here
+    s.relay()
+    s.heard("volunteer", 2, _id("volunteer", 2), now=2.0)
+    s.heard("newcomer", 1, _id("newcomer"), now=2.0)
+    for seq in range(1, 50):  # one stranger heralding many seqs keeps its last MAX_PER_STRANGER
+        s.heard("chatty", seq, _id("chatty", seq), now=2.1)
+    assert s.heralds.priority("newcomer", 1, _id("newcomer"), now=9.0) == 2.0
+    assert s.heralds.priority("chatty", 1, _id("chatty", 1), now=9.0) == 9.0  # its oldest forgotten
+    assert s.heralds.priority("chatty", 49, _id("chatty", 49), now=9.0) == 2.1
+    for k in range(MAX_HEARD + 10):  # a crowd of fresh identities, one herald each
+        s.heard(f"crowd{k}", 1, _id(f"crowd{k}"), now=2.2)
+    assert len(s.heralds) <= 2 * MAX_HEARD
+    # the proven volunteer is still dated by its herald: a copy whose payload came first gives the credit back
+    original = own + 0.5 * torch.randn(DIM, generator=g)
+    s.heard("copier", 2, _id("copier", 2), now=2.5)
+    _propose(s, "copier", original + 0.01 * torch.randn(DIM, generator=g), now=3.0, seq=2)
+    _propose(s, "volunteer", original, now=3.5, seq=2)
+    assert s.judged[("volunteer", 2)][0] > 0.5 and s.judged[("copier", 2)] == (0.0, 0.0)
+    # what is left open: a newcomer's first herald shares the strangers' table with the crowd, and is pushed out
+    assert s.heralds.priority("newcomer", 1, _id("newcomer"), now=9.0) == 9.0
