@@ -1,6 +1,7 @@
 """Copy races (sync/heralds.py): do copiers that race an honest volunteer's updates to the sponsors graduate, with
-and without heralds? The scenario of tests/sim/test_graduation_swarm.py: 3 sponsors, an honest volunteer joining
-at 100 s, 10 identities copying each of its updates (`test` preset, H=20, a stream per unit: the default layout).
+and without heralds, and with the payload kept back until the sponsors acked its heralds? The scenario of
+tests/sim/test_graduation_swarm.py: 3 sponsors, an honest volunteer joining at 100 s, 10 identities copying each
+of its updates (`test` preset, H=20, a stream per unit: the default layout).
 
 Crowds (sim/crowd.py `CrowdAttack`): `instant` (copies and their heralds leave the moment the original does: no
 network allows it), `adjacent` (the crowd holds the original as soon as its payload could first have crossed the
@@ -15,6 +16,7 @@ Per run: the first of the volunteer's seqs each sponsor relayed as a member's, (
 what the sponsors relayed of the crowd's copies against the volunteer's own work, honest eval loss, divergence.
 
     python benchmarks/bench_copy_races.py --jobs 2 --out benchmarks/results/copy_races/heralds.json
+    python benchmarks/bench_copy_races.py --heralds on,wait --crowds adjacent,causal --timings 0,1,2
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def run_one(job: dict) -> dict:
     noise = {"grace": 0.0} if timing == "fixed" else dict(grace=0.5, phase_jitter=0.15, latency_jitter_s=0.1,
                                                           start_spread_s=1.0, timing_seed=int(timing))
     sim = SimConfig(peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8, eval_every_s=float(STEPS),
-                    join=(f"{STEPS // 6}",), heralds=job["heralds"], bandwidth_mbps=job["mbps"], **noise)
+                    join=(f"{STEPS // 6}",), heralds=job["heralds"] != "off",
+                    herald_wait=job["heralds"] == "wait", bandwidth_mbps=job["mbps"], **noise)
     attack = dataclasses.replace(CrowdAttack(10, "copy", source=3), causal=job["crowd"] == "causal",
                                  adjacent=job["crowd"] == "adjacent")
     started = time.monotonic()
@@ -71,12 +74,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--crowds", default="instant,adjacent,causal")
     parser.add_argument("--timings", default="fixed,0,1,2")
-    parser.add_argument("--heralds", default="off,on", help="off, on or both (off,on)")
+    parser.add_argument("--heralds", default="off,on,wait",
+                        help="off; on (the payload right behind the heralds); wait (the payload once every sponsor "
+                             "acked its herald: the default); any of them, comma-separated")
     parser.add_argument("--mbps", type=float, default=100.0, help="every uplink (the simulator's default: 100)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    jobs = [{"heralds": h == "on", "crowd": c, "timing": t, "mbps": args.mbps} for h in args.heralds.split(",")
+    jobs = [{"heralds": h, "crowd": c, "timing": t, "mbps": args.mbps} for h in args.heralds.split(",")
             for c in args.crowds.split(",") for t in args.timings.split(",")]
     rows = []
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -87,7 +92,7 @@ def main() -> None:
     print("\n| heralds | crowd | timing | member from | copier graduations | relayed crowd / volunteer | loss |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {'on' if r['heralds'] else 'off'} | {r['crowd']} | {r['timing']} | {r['member_from']} | "
+        print(f"| {r['heralds']} | {r['crowd']} | {r['timing']} | {r['member_from']} | "
               f"{r['copier_graduations']} | {r['relayed_crowd']} / {r['relayed_volunteer']} | {r['eval_loss']} |")
     if args.out:
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))

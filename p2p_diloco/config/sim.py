@@ -48,6 +48,9 @@ class SimConfig:
     heralds: bool = True
     """Proposers send their update's signed header to the sponsors ahead of the payload, and sponsors judge near
     copies in herald order (sync/heralds.py), as real peers do; False: in the order the payloads merged."""
+    herald_wait: bool = True
+    """A proposer sends its payload only once every sponsor acked its herald (at most sync/heralds.py
+    HERALD_WAIT_S), as real peers do; False: right behind the heralds on its uplink."""
     iid: bool = True
     """Every unit samples the whole training split, each its own stream, as a real peer's units do (token datasets,
     and the byte corpus's default `num_shards` 1); False: a contiguous file shard each (`--training.num-shards N`)."""

@@ -91,8 +91,11 @@ class CrowdSwarm(HostileSwarm):
             if not self.attack.adjacent:
                 self._crowd_publishes(peer, update)
                 return
-            sent = len(encode_update(update)) + len(encode_herald(update)) * len(peer.exchange.heralds_to)
-            held_at = self.queue.now + sent / self.net.bytes_per_s + self.net.latency_s
+            # the payload leaves once the sponsors acked its heralds (or behind them on the uplink, without the wait)
+            heralds = len(encode_herald(update)) * len(peer.exchange.heralds_to)
+            heralds_done = self.queue.now + heralds / self.net.bytes_per_s
+            leaves = max(peer.exchange.released_at, heralds_done)
+            held_at = leaves + len(encode_update(update)) / self.net.bytes_per_s + self.net.latency_s
             self.queue.push(held_at, self._crowd_publishes, peer, update)
 
         peer.exchange.publish = publish  # type: ignore[method-assign]

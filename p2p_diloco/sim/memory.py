@@ -7,11 +7,13 @@ which is what makes full dissemination cost O(N) per peer.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from p2p_diloco.sim.events import EventQueue
+from p2p_diloco.sync.heralds import HERALD_WAIT_S
 from p2p_diloco.train.learner import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 from p2p_diloco.wire.herald import encode_herald
@@ -45,21 +47,27 @@ class MemoryNetwork:
         self.handlers.pop(peer, None)
         self.herald_handlers.pop(peer, None)
 
-    def send(self, src: str, dst: str, data: bytes, *, herald: bool = False) -> None:
+    def send(self, src: str, dst: str, data: bytes, *, herald: bool = False) -> float | None:
         """Queue one message on src's uplink; it arrives after transmission time plus latency (or is lost).
-        `herald`: an update's herald (wire/herald.py), delivered to the receiver's herald handler."""
+        `herald`: an update's herald (wire/herald.py), delivered to the receiver's herald handler. Returns when it
+        arrives (None: lost)."""
         self.bytes_sent[src] += len(data)
         start = max(self.queue.now, self._uplink_free_at.get(src, 0.0))
         done = start + len(data) / self.bytes_per_s
         self._uplink_free_at[src] = done
         if self.rng.random() < self.loss:
             self.messages_lost += 1
-            return
+            return None
         self.in_flight += 1
-        latency = self.latency_s
+        arrives = done + self.latency()
+        self.queue.push(arrives, self._deliver, src, dst, data, herald)
+        return arrives
+
+    def latency(self) -> float:
+        """One message's latency, jitter included."""
         if self.latency_jitter_s:
-            latency += self.jitter_rng.uniform(0.0, self.latency_jitter_s)
-        self.queue.push(done + latency, self._deliver, src, dst, data, herald)
+            return self.latency_s + self.jitter_rng.uniform(0.0, self.latency_jitter_s)
+        return self.latency_s
 
     def broadcast(self, src: str, data: bytes) -> None:
         """Full dissemination: one copy to every other attached peer (random order, like gossip targets)."""
@@ -79,17 +87,26 @@ class MemoryExchange:
     """The `Exchange` of one peer on a `MemoryNetwork`: publish = full dissemination of the encoded update."""
 
     def __init__(self, network: MemoryNetwork, peer_id: str, view: Callable[[], SwarmView],
-                 backlog: Callable[[], int] | None = None, heralds_to: Sequence[str] = ()):
+                 backlog: Callable[[], int] | None = None, heralds_to: Sequence[str] = (), herald_wait: bool = True):
         self.network, self.peer_id, self._view, self._backlog = network, peer_id, view, backlog
         # The sponsors, for a proposer (sync/heralds.py); a sponsor heralds nothing, as a real peer (net/gossip).
         self.heralds_to = [] if peer_id in heralds_to else list(heralds_to)
+        self.herald_wait = herald_wait
+        self.released_at = 0.0  # when the last published payload was let go (after the sponsors' acks)
 
     def publish(self, update: OuterUpdate) -> None:
+        now = self.released_at = self.network.queue.now
         if self.heralds_to:  # the herald first: on the same uplink, so it leaves ahead of every copy of the payload
             herald = encode_herald(update)
-            for sponsor in self.heralds_to:
-                self.network.send(self.peer_id, sponsor, herald, herald=True)
-        self.network.broadcast(self.peer_id, encode_update(update))
+            arrivals = [self.network.send(self.peer_id, sponsor, herald, herald=True) for sponsor in self.heralds_to]
+            if self.herald_wait:  # the payload waits for every sponsor's ack, at most HERALD_WAIT_S (a lost one)
+                acks = [a + self.network.latency() if a is not None else math.inf for a in arrivals]
+                self.released_at = min(max(acks), now + HERALD_WAIT_S)
+        data = encode_update(update)
+        if self.released_at > now:
+            self.network.queue.push(self.released_at, self.network.broadcast, self.peer_id, data)
+        else:
+            self.network.broadcast(self.peer_id, data)
 
     def swarm_view(self) -> SwarmView:
         return self._view()

@@ -143,10 +143,10 @@ class AsyncSwarm:
         shard, shards, stream = self.sim.unit_data(index, self._shard_of(index), self.num_shards)
         learner = Learner(self.spec, identity, self.corpus, shard=shard, num_shards=shards, replica_state=state,
                           device=self.device, stream=stream)
-        # Gaps, standing and heralds are dated on the simulated clock: on the wall clock a loaded machine would time
-        # gaps out (defence.gap_timeout_s) that the simulated network fills soon after, and the run would differ.
+        # Gaps, standing and heralds go by the simulated clock (a loaded machine's wall clock would time gaps out)
         learner.replica.set_clock(lambda: self.queue.now)
-        exchange = MemoryExchange(self.net, learner.peer_id, self._view, heralds_to=self.heralds_to)
+        exchange = MemoryExchange(self.net, learner.peer_id, self._view, heralds_to=self.heralds_to,
+                                  herald_wait=self.sim.herald_wait)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
                        speed=speed, store=UpdateStore(max_bytes=256 << 20), exchange=exchange,
                        ticks=rounds(learner, exchange, Schedule(grace=self.sim.grace), TokenBudget(self)),

@@ -38,6 +38,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+HERALD_WAIT_S = 1.0
+"""How long a proposer keeps its payload back for the sponsors' acks of its herald, at most (net/gossip/heralds.py;
+the simulator's `SimConfig.herald_wait`): a dead or slow sponsor's cost to a proposer."""
 MAX_HEARD = 1024
 """Heralds remembered per table, members' and strangers' (the oldest drop out)."""
 MAX_PER_STRANGER = 2

@@ -26,14 +26,16 @@ class Sends:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def send(self, peer: str, request: bytes, what: str) -> None:
-        """Call `peer` with `request` in a task of its own; returns at once (`what` names the task)."""
+    def send(self, peer: str, request: bytes, what: str) -> asyncio.Task | None:
+        """Call `peer` with `request` in a task of its own; returns at once (`what` names the task) with the task,
+        for a caller that may wait on it, or None if it was dropped."""
         if len(self._tasks) >= self.limit:
             self.stats[self.dropped_key] += 1
-            return
+            return None
         task = asyncio.create_task(self._call(peer, request), name=f"{what}:{peer[-8:]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def halt(self) -> list[asyncio.Task]:
         """Cancel the calls in flight; returns their tasks, for the caller to wait on."""

@@ -190,6 +190,8 @@ class Gossip:
 
     async def publish(self, update: OuterUpdate) -> None:
         """Keep our own update to serve pulls, and announce it to `fanout` random peers (without waiting for them).
+        A proposer in a run with sponsors heralds it to them first and keeps it back until they acked (at most
+        net/gossip/heralds.py HERALD_WAIT_S): no peer can pull it sooner.
 
         Merge it into our replica first (`Learner.finish_phase` does): the vector we announce must name it.
         Call on the gossip's loop, e.g. `asyncio.run_coroutine_threadsafe(gossip.publish(u), loop)`.
@@ -199,9 +201,9 @@ class Gossip:
         if self.intake.replica.version_vector.get(update.sender) < update.seq:
             logger.warning("publishing an update our replica has not merged sender=%s seq=%d", update.sender,
                            update.seq)
+        await self._heralds.herald(update)
         self.store.add(update)
         self.stats["published"] += 1
-        self._heralds.send(update)  # to the sponsors, ahead of the announce that lets anyone pull the payload
         self._announcer.announce()
 
     async def request_pull(self, peer: str) -> None:
