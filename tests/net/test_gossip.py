@@ -245,14 +245,22 @@ def test_a_hung_then_vanished_peer_does_not_stall_gossip(loop, members, tmp_path
                                timeout_s=3600))
         config = GossipConfig(fanout=3, anti_entropy_s=0.2, rpc_timeout_s=2.0)
         with gossiping(loop, members, config) as peers:
+            # First each live peer gives the others an update: a pull from a remote that never gave us anything
+            # takes the one probation slot, which D's hung pulls hold up to their timeout (slots.py); once they
+            # are contributors, their pulls never wait for D (without this, one run in many took 2.04 s).
+            sent: list[OuterUpdate] = []
+            for i, peer in enumerate(peers):
+                sent.append(_updates(peer.identity, 3, seed=30 + i)[0])
+                publish(loop, peer, sent[-1])
+            wait_until(lambda: all(q.vv.get(u.sender) >= u.seq for q in peers for u in sent), 10,
+                       "the live peers to trade one update each")
             for peer in peers:
                 peer.view.append(d.node.peer_id)
-            sent: list[OuterUpdate] = []
             for phase in ("hung", "gone"):
                 if phase == "gone":
                     loop.run(d.node.shutdown(), timeout_s=30)
                 for i, peer in enumerate(peers):
-                    update = _updates(peer.identity, 2, seed=30 + i)[len(sent) // 3]
+                    update = _updates(peer.identity, 3, seed=30 + i)[len(sent) // 3]
                     publish(loop, peer, update)
                     sent.append(update)
                     # D sits in every fanout (3 of 3 others), yet the live peers get it at once.
