@@ -23,9 +23,9 @@ identity signs its own), so with one table of the last MAX_HEARD a crowd heraldi
 volunteer's herald and its payload evicted it, and the volunteer was dated by its merge again. Authors this
 sponsor judged useful before (`member`) keep their heralds in a table of their own; everyone else shares the
 other, at most MAX_PER_STRANGER heralds per author (an author heralding many seqs pushes out only its own). A
-crowd of fresh identities can still crowd a newcomer's first heralds out of the strangers' table: the cost of a
-place in the members' table is a proposal judged useful, which no copier earns (its copies are dated after their
-originals).
+crowd of fresh identities can still crowd a newcomer's first heralds out of the strangers' table. A place in the
+members' table costs a proposal judged useful, which a copier earns only where its copy was relayed before its
+original reached that sponsor (a copy's credit passes to its original within the round only).
 
 Pure bookkeeping on the caller's clock (simulated or wall): no I/O, no locks (the replica calls it under its own).
 """
