@@ -24,8 +24,8 @@ volunteer's herald and its payload evicted it, and the volunteer was dated by it
 sponsor judged useful before (`member`) keep their heralds in a table of their own; everyone else shares the
 other, at most MAX_PER_STRANGER heralds per author (an author heralding many seqs pushes out only its own). A
 crowd of fresh identities can still crowd a newcomer's first heralds out of the strangers' table. A place in the
-members' table costs a proposal judged useful, which a copier earns only where its copy was relayed before its
-original reached that sponsor (a copy's credit passes to its original within the round only).
+members' table costs a proposal judged useful, which a copier holds only until its original reaches that sponsor
+(this round or the next: the window keeps the round just relayed, `Sponsorship.relay`).
 
 Pure bookkeeping on the caller's clock (simulated or wall): no I/O, no locks (the replica calls it under its own).
 """
@@ -106,15 +106,20 @@ class Seen(NamedTuple):
     """A proposal's (author, seq) while it holds the credit as the first of its near copies; else None."""
     sponsor: bool = False
     """A sponsor's update: a proposal near it is a copy whatever the dates (sponsors do not herald)."""
+    author: str = ""
+    round: int = 0
+    """The sponsor's round it merged in: the window holds this round's and the last one's (`Sponsorship.relay`)."""
 
 
-def race(window: list[Seen], unit: Tensor, date: float, near: float, *,
-         sponsor: bool = False) -> tuple[bool, list[int]]:
-    """For an update dated `date` (`unit`: its sample, unit length): (is it a near copy (|cos| >= `near`) of one in
-    `window` dated no later, or of a sponsor's; the indices of the credited near copies dated after it, or of all
-    credited near copies for a `sponsor`'s update)."""
+def race(window: list[Seen], unit: Tensor, date: float, near: float, *, sponsor: bool = False,
+         author: str = "") -> tuple[bool, list[int]]:
+    """For an update of `author` dated `date` (`unit`: its sample, unit length): (is it a near copy (|cos| >= `near`)
+    of another author's in `window` dated no later, or of a sponsor's; the indices of the credited near copies dated
+    after it, or of all credited near copies for a `sponsor`'s update)."""
     copied, later = False, []
     for i, seen in enumerate(window):
+        if author and seen.author == author:  # its own earlier work is no original it could copy
+            continue
         if abs(float(torch.dot(seen.unit, unit))) >= near:
             if seen.sponsor or (not sponsor and seen.date <= date):
                 copied = True

@@ -24,15 +24,15 @@ direction is mostly its own files, the sponsors' sum is what they share), on the
 floored at 0, scaled down when the proposal is longer than the sponsors' updates are on average, `v = max(0, cos) *
 min(1, mean_s |u_s| / |u|)` (against the sum's length, x5 work clipped at the norm bound was relayed at up to three
 updates' length: +8.3% loss from 3 such identities), and 0 for a proposal that is a near copy (|cos| >= NEAR_COPY)
-of any update merged this round and dated before it (by its herald, sync/heralds.py; one dated after it that took
-the credit first gives it over): a crowd re-signing honest work with noise adds nothing, a graduate's copy included
-(its work is in already: relayed again as a member's, 10 graduated copiers would relay one update 10 times), and a
-proposal that lost such a race keeps its record. Measured (BENCHMARKS "Can a paired loss change tell
-honest work from an attack?"): with units drawing from the whole data the cosine judges 0% of honest updates harmful
-and 0% of negated ones useful, one update at a time; with a file shard per unit honest updates point slightly
-against each other late in a run, so honest proposals there get little weight (denial, not poisoning: the one-share
-bound holds whatever the judge says). The values go into the sponsor's signed header (wire/envelope.py `vouches`) so
-that every peer can count what each author's work was judged worth (`earned`).
+of another author's update merged this round or the last and dated before it (by its herald, sync/heralds.py; one
+dated after it that took the credit first gives it over): a crowd re-signing honest work with noise adds nothing, a
+graduate's copy included (its work is in already: relayed again as a member's, 10 graduated copiers would relay one
+update 10 times), and a proposal that lost such a race keeps its record. Measured (BENCHMARKS "Can a paired loss
+change tell honest work from an attack?"): with units drawing from the whole data the cosine judges 0% of honest
+updates harmful and 0% of negated ones useful, one update at a time; with a file shard per unit honest updates point
+slightly against each other late in a run, so honest proposals there get little weight (denial, not poisoning: the
+one-share bound holds whatever the judge says). The values go into the sponsor's signed header (wire/envelope.py
+`vouches`) so that every peer can count what each author's work was judged worth (`earned`).
 
 **Echoes.** Before it signs, a sponsor removes from what it relays every component along theta's moves over its
 last ECHO phases (sync/echoes.py): they are merged already, and a proposal that echoes them would move theta along
@@ -70,9 +70,10 @@ from p2p_diloco.sync.heralds import Heralds, Seen, race
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
 NEAR_COPY = 0.95
-"""A proposal whose |cosine| with another update merged this round is at least this is relayed with nothing."""
+"""A proposal whose |cosine| with another author's update merged this round or the last is at least this is relayed
+with nothing."""
 MAX_WINDOW = 256
-"""Samples of this round's merged updates a sponsor compares proposals with (the oldest drop out)."""
+"""Samples of this and the last round's merged updates a sponsor compares proposals with (the oldest drop out)."""
 MAX_EARNED = 4096
 """Authors whose judged worth (and, at a sponsor, record) a replica keeps (the least recent drop out)."""
 RECORD = 2
@@ -123,7 +124,8 @@ class Sponsorship:
         self.judged: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()  # at a sponsor, for views:
         # (author, seq) -> (v, the share of its step relayed in full: keep for a graduate's, 0 for a proposal's)
         self._latest: dict[str, Tensor] = {}  # each sponsor's latest update, sampled: what proposals are judged by
-        self._window: list[Seen] = []  # this round's merged updates, as the copy rule sees them
+        self._window: list[Seen] = []  # this round's and the last one's merged updates, as the copy rule sees them
+        self._round = 0  # relays so far
         self.heralds = Heralds()  # at a sponsor: when each proposal was first heard of (sync/heralds.py)
         self._now = 0.0  # the latest date given to `merged`
         self._disowned: OrderedDict[tuple[str, int], bool] = OrderedDict()  # near copies whose credit was taken back
@@ -188,7 +190,7 @@ class Sponsorship:
                 self._own_length, self._relayed_at = float(own.norm()), None
             if unit is not None:  # proposals near it that took credit lose it: copies of a founder's work
                 self._take_back(race(self._window, unit, now, NEAR_COPY, sponsor=True)[1], None)
-                self._window.append(Seen(unit, now, None, sponsor=True))
+                self._window.append(Seen(unit, now, None, sponsor=True, author=author, round=self._round))
         elif unit is not None and step is not None:
             self._judge(author, seq, sample, unit, step, factor, self.heralds.priority(author, seq, update_id, now))
         del self._window[:-MAX_WINDOW]
@@ -200,10 +202,10 @@ class Sponsorship:
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
         and its work, relayed already through the copy, is not relayed again."""
         key = slot_key(self.run_id, author, seq)
-        copied, displaced = race(self._window, unit, date, NEAR_COPY)
+        copied, displaced = race(self._window, unit, date, NEAR_COPY, author=author)
         if copied:
             _bounded(self.judged, (author, seq), (0.0, 0.0))
-            self._window.append(Seen(unit, date, None))
+            self._window.append(Seen(unit, date, None, author=author, round=self._round))
             return
         if displaced:
             self._take_back(displaced, key)
@@ -221,7 +223,7 @@ class Sponsorship:
             self._relay = _add(self._relay, step, factor * value)
             self._values.append((key, value))
         self._note(author, seq, value)
-        self._window.append(Seen(unit, date, (author, seq) if value > 0 else None))
+        self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round))
 
     def _take_back(self, displaced: list[int], key: bytes | None) -> None:
         """Near copies that took credit before their original was judged: their marks go (and no sponsor's vouch
@@ -250,7 +252,12 @@ class Sponsorship:
             return NOTHING
         relay, full, values, graded = self._relay, self._full, self._values, self._graded
         carried, sponsors = self._carried, len(self.sponsors)
-        self._relay, self._full, self._values, self._graded, self._window = None, None, [], [], []
+        self._relay, self._full, self._values, self._graded = None, None, [], []
+        # The window keeps the round just relayed: a copy that reached us before its original and went out in this
+        # relay still gives its credit over when the original comes next round (its work is out: the original's
+        # is not relayed again), and a copy of last round's work is still a copy.
+        self._window = [seen for seen in self._window if seen.round == self._round]
+        self._round += 1
         self._carried = 0.0
         share = 0.0
         if relay is not None and values:

@@ -54,8 +54,8 @@ def test_ten_forging_identities_merge_at_zero_and_the_negated_ones_get_almost_no
         assert merged >= crowd["published"] - 10, (merged, crowd)
         assert final["vetting"].get("proposal", 0) >= merged, final["vetting"]  # ...and merged there at 0
         # Identities 0 and 2 (of every 4) publish negated copies of A's updates. A sponsor that judged one before
-        # A's original reached it, and relayed at its round's end before it did (rounds of ~0.2 s here), keeps
-        # what it relayed (a copy's credit is taken back within the round only): measured 0.07-0.25 of one
+        # A's original reached it, and relayed at its round's end before it did (rounds of ~0.2 s here), cannot
+        # take back the work it relayed (only the copy's record): measured 0.07-0.25 of one
         # update's worth at one sponsor over the run, nothing at the others. The newcomers' share bounds the
         # whole crowd at one update's worth per round; it stays far under even one in all.
         negated = [ids[i] for i in range(10) if i % 4 in (0, 2)]

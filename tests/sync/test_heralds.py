@@ -133,3 +133,27 @@ def test_a_flood_of_heralds_cannot_push_out_a_proven_authors_and_a_stranger_push
     assert s.judged[("volunteer", 2)][0] > 0.5 and s.judged[("copier", 2)] == (0.0, 0.0)
     # what is left open: a newcomer's first herald shares the strangers' table with the crowd, and is pushed out
     assert s.heralds.priority("newcomer", 1, _id("newcomer"), now=9.0) == 9.0
+
+
+def test_a_copy_relayed_before_its_original_came_gives_its_credit_over_in_the_next_round() -> None:
+    s, own, g = _sponsor()
+    original = own + 0.5 * torch.randn(DIM, generator=g)
+    s.heard("volunteer", 1, _id("volunteer"), now=1.0)
+    s.heard("copier", 1, _id("copier"), now=1.2)
+    _propose(s, "copier", original + 0.01 * torch.randn(DIM, generator=g), now=1.5)  # its payload came first...
+    first = s.relay()  # ... and went out in this round's relay, before the original reached us
+    assert first.step is not None and s.relayed["copier"] > 0.3
+    _propose(s, "volunteer", original, now=2.0)  # the original, dated first by its herald, in the next round
+    assert s._record["copier"][1] == 0.0 and s._record["volunteer"][1] > 0.5  # the credit passes over
+    assert s.relay().step is None  # its work went out through the copy: not relayed twice
+    # a copy of the last round's work is still a copy; an author's own earlier work is no original it copies
+    again = own + 0.5 * torch.randn(DIM, generator=g)
+    _propose(s, "volunteer", again, now=3.0, seq=2)
+    s.relay()
+    _propose(s, "replayer", again + 0.01 * torch.randn(DIM, generator=g), now=4.0)
+    assert s.judged[("replayer", 1)] == (0.0, 0.0)
+    steady = own + 0.5 * torch.randn(DIM, generator=g)
+    _propose(s, "steady", steady, now=5.0)
+    s.relay()
+    _propose(s, "steady", steady + 0.01 * torch.randn(DIM, generator=g), now=6.0, seq=2)
+    assert s.judged[("steady", 2)][0] > 0.5
