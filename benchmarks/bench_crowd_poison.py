@@ -145,7 +145,7 @@ def run_one(job: dict) -> dict:
         _CORPUS["corpus"] = load_corpus(spec.data)
     count = "records" if job["defence"] == "today" else "proven"
     crowd = CrowdAttack(0 if trainers else k, attack.mode, attack.factor, count, attack.after,
-                        source=honest + trainers if attack.newcomer else 0)
+                        source=honest + trainers if attack.newcomer else 0, adjacent=job.get("adjacent", False))
     t0 = time.time()
     swarm = CrowdSwarm(spec, sim, _CORPUS["corpus"], crowd, adversaries=adversaries)
     try:
@@ -251,6 +251,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--iid", action="store_true", help="every unit samples the whole training split (the simulator's "
                                                        "default; here a shard each unless given, as measured)")
+    ap.add_argument("--adjacent", action="store_true",
+                    help="the crowd holds each update only once its payload could have crossed the source's uplink "
+                         "(sim/crowd.py `adjacent`: the strongest crowd a network allows); default: the instant crowd, "
+                         "whose copies and heralds leave with the original (no network allows it: with heralds, it "
+                         "dates its copies before the original at some sponsors: a copied newcomer never graduates)")
     ap.add_argument("--no-volunteer", action="store_true", help="skip the late volunteer's measurement")
     ap.add_argument("--out", default="benchmarks/results/crowd/poison")
     args = ap.parse_args()
@@ -261,7 +266,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown attacks or defences: {unknown}")
     common = dict(preset=args.preset, peers=args.peers, inner_steps=args.inner_steps,
-                  steps_per_peer=args.steps_per_peer, iid=args.iid)
+                  steps_per_peer=args.steps_per_peer, iid=args.iid, adjacent=args.adjacent)
     cleans = sorted({baseline(a) for a in attacks})
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     jobs = [dict(common, crowd=0, attack=c, defence=d, seed=s) for c in cleans for d in defences for s in seeds]
