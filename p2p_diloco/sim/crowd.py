@@ -23,14 +23,14 @@ import torch
 
 from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.adversary import Adversary, HostileSwarm
-from p2p_diloco.sim.crowd_attacks import crowd_delta, mode_of
+from p2p_diloco.sim.crowd_attacks import crowd_delta, forged, mode_of
 from p2p_diloco.sim.result import Progress
 from p2p_diloco.sim.swarm import ReplicaState, SimPeer, stored_envelope
 from p2p_diloco.sync.authors import MAX_INHERITED
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.train.data.corpus import Corpus
 from p2p_diloco.train.learner import SwarmView
-from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update, make_update
+from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update
 from p2p_diloco.wire.herald import encode_herald
 from p2p_diloco.wire.identity import Identity
 
@@ -139,10 +139,8 @@ class CrowdSwarm(HostileSwarm):
                 if mode in EXACT:
                     exact[mode] = payload
             self.crowd_seq[i] += 1
-            forged = make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=self.crowd_seq[i], tau=h.tau,
-                                 samples=h.samples, weight=self.spec.outer.max_weight, codec=h.codec, numel=h.numel,
-                                 payload=payload, identity=identity, created_at=h.created_at)
-            data, herald = encode_update(forged), encode_herald(forged) if self.sim.heralds else b""
+            update = forged(honest, payload, identity, self.crowd_seq[i], self.spec.outer.max_weight)
+            data, herald = encode_update(update), encode_herald(update) if self.sim.heralds else b""
             for target in targets:
                 if herald and target.learner.peer_id in self.spec.defence.sponsors:
                     self.net.send(identity.peer_id, target.learner.peer_id, herald, herald=True)

@@ -27,6 +27,9 @@ import math
 import torch
 from torch import Tensor
 
+from p2p_diloco.wire.envelope import OuterUpdate, make_update
+from p2p_diloco.wire.identity import Identity
+
 NEAR_NOISE = 0.05
 """A near copy's own noise, as a fraction of the honest update's L2 length."""
 BOUND_MARGIN = 0.98
@@ -78,3 +81,11 @@ def within_bound(d: Tensor, factor: float, bound: float) -> Tensor:
     x = d * factor
     peak = float(x.abs().max())
     return x * (BOUND_MARGIN * bound / peak) if math.isfinite(bound) and peak > BOUND_MARGIN * bound else x
+
+
+def forged(honest: OuterUpdate, payload: bytes, identity: Identity, seq: int, weight: float) -> OuterUpdate:
+    """`payload` (compressed) re-signed by `identity` as its update `seq`, claiming `weight`, with the honest
+    update's other header fields (run, spec, tau, samples, codec, creation time): what a crowd identity publishes."""
+    h = honest.header
+    return make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=seq, tau=h.tau, samples=h.samples, weight=weight,
+                       codec=h.codec, numel=h.numel, payload=payload, identity=identity, created_at=h.created_at)

@@ -72,7 +72,7 @@ class Heralds:
             if len(self._members) > MAX_HEARD:
                 self._members.popitem(last=False)
             return True
-        seqs = self._per_author.setdefault(author, [])
+        seqs = self._per_author.get(author, [])
         if len(seqs) >= MAX_PER_STRANGER:
             self._forget((author, seqs[0]))
         self._strangers[slot] = (now, update_id)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.sim.crowd_attacks import crowd_delta, mode_of
+from p2p_diloco.sim.crowd_attacks import crowd_delta, forged, mode_of
 from p2p_diloco.wire.identity import Identity
 
 POLL_S = 0.05
@@ -57,6 +57,18 @@ class Forger:
     @property
     def peer_ids(self) -> list[str]:
         return [i.peer_id for i in self.identities]
+
+    def start(self, ready_timeout_s: float) -> None:
+        """Run on a loop of its own in a daemon thread; return once its gossip serves (or raise its error)."""
+        self._thread = threading.Thread(target=self._run, name="forger", daemon=True)
+        self._thread.start()
+        started = time.monotonic()
+        if not self._ready.wait(ready_timeout_s):
+            self.stop(1.0)
+            raise TimeoutError(f"the forger did not start in {ready_timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        self.started_s = time.monotonic() - started
 
     def stop(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """End the forger (its gossip and node) and return what it did; re-raises its error, if it failed."""
@@ -125,25 +137,21 @@ class Forger:
 
     async def _forge(self, honest: Any, gossip: Any, node: Any, replica: Any, codec: Any, bound: float) -> None:
         from p2p_diloco.net.transport import rpc
-        from p2p_diloco.wire.envelope import make_update
         from p2p_diloco.wire.herald import encode_herald
 
-        h = honest.header
-        d = codec.decompress(honest.payload, h.numel)
+        d = codec.decompress(honest.payload, honest.header.numel)
         sponsors = list(self.spec.defence.sponsors)
-        forged = []
+        copies = []
         for i, identity in enumerate(self.identities):
             payload = codec.compress(crowd_delta(self.modes[i], d, factor=self.factor, bound=bound, rng=self.rng))
             self.seqs[i] += 1
-            forged.append(make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=self.seqs[i], tau=h.tau,
-                                      samples=h.samples, weight=self.spec.outer.max_weight, codec=h.codec,
-                                      numel=h.numel, payload=payload, identity=identity, created_at=h.created_at))
+            copies.append(forged(honest, payload, identity, self.seqs[i], self.spec.outer.max_weight))
         herald_name = f"p2p-diloco/{self.spec.run_id}/herald"
         calls = [rpc.call(node.p2p, sponsor, herald_name, encode_herald(u), max_response_bytes=16, timeout_s=3)
-                 for u in forged for sponsor in sponsors]
+                 for u in copies for sponsor in sponsors]
         results = await asyncio.gather(*calls, return_exceptions=True)
         self.heralds += sum(1 for r in results if not isinstance(r, BaseException))
-        for update in forged:
+        for update in copies:
             await asyncio.to_thread(replica.offer, update)
             await gossip.publish(update)
             self.published += 1
@@ -154,15 +162,7 @@ def start_forger(workdir: Path, spec: Any, numel: int, *, ready_timeout_s: float
     """A `Forger` (its keyword arguments) running on a loop of its own in a daemon thread, once its gossip
     serves; raises its error if it failed to start."""
     forger = Forger(workdir, spec, numel, **kwargs)
-    forger._thread = threading.Thread(target=forger._run, name="forger", daemon=True)
-    forger._thread.start()
-    started = time.monotonic()
-    if not forger._ready.wait(ready_timeout_s):
-        forger.stop(1.0)
-        raise TimeoutError(f"the forger did not start in {ready_timeout_s:g} s")
-    if forger.error is not None:
-        raise forger.error
-    forger.started_s = time.monotonic() - started
+    forger.start(ready_timeout_s)
     return forger
 
 
