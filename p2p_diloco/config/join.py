@@ -52,6 +52,10 @@ class TrainingConfig:
     one device; the inner AdamW state is then not checkpointed)."""
     torch_threads: int = 0
     """CPU threads for torch (0: torch's default; 1 when several peers share a machine)."""
+    duty_cycle: float = 1.0
+    """Share of the wall time the unit computes, for a machine it shares (0.5: after each inner step it rests as
+    long as the step took; train/pace.py). The network side never rests: the peer keeps serving and merging.
+    1: flat out."""
     shard: int = -1
     """Data shard to train on (-1: int(sha256(peer id)) mod num_shards)."""
     num_shards: int = 1
@@ -90,6 +94,7 @@ class TrainingConfig:
         require(self.linger_s >= 0 and self.finish_phase_within_s >= 0,
                 "linger_s and finish_phase_within_s must be >= 0")
         require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
+        require(0 < self.duty_cycle <= 1, f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
         require(self.precision in ("auto", "bf16", "fp16", "fp32"),
                 f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
         require(self.micro_batch >= 0, f"micro_batch must be >= 0, got {self.micro_batch}")

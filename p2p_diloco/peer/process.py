@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,7 +56,8 @@ from p2p_diloco.train.hardware.compute import Compute
 from p2p_diloco.train.hardware.unit import unit_device
 from p2p_diloco.train.hardware.units import unit_from_env
 from p2p_diloco.train.learner import Learner
-from p2p_diloco.train.loop import GRACE_POLL_S, GraceWait, RoundDone, Schedule, rounds
+from p2p_diloco.train.loop import GRACE_POLL_S, GraceWait, PhaseBegun, RoundDone, Schedule, StepDone, rounds
+from p2p_diloco.train.pace import Pace
 from p2p_diloco.wire.identity import Identity
 
 # Heavy at import time (torch, hivemind): only `join` imports this module, once its options are known to be good.
@@ -216,6 +218,7 @@ class Peer:
         resync = self._open_resync(network, learner)
         ticks = rounds(learner, self.exchange, schedule, report, start_round=self.round, stop=self.stop,
                        finish=self.finish)
+        pace = Pace(cfg.duty_cycle)
         try:
             while True:  # `drive`, with each tick shown on the progress bars
                 try:
@@ -227,6 +230,10 @@ class Peer:
                     self.stop.wait(GRACE_POLL_S)
                     continue
                 self.progress.tick(tick)
+                if isinstance(tick, PhaseBegun):
+                    pace.begin(time.monotonic())
+                elif isinstance(tick, StepDone):
+                    self.stop.wait(pace.rest_s(time.monotonic()))  # a machine shared with its owner
                 if isinstance(tick, RoundDone) and self.status is not None:
                     self.status.round_done(report.last)  # the page's history of our rounds
                 if resync is not None and isinstance(tick, RoundDone):  # between rounds: the next phase begins

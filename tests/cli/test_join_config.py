@@ -106,6 +106,7 @@ def test_profiles_load(tmp_path):
                                     "(at line 1, column 10)"),
     ("[training]\nrounds = -1\n", [], "rounds and eval_every must be >= 0"),
     ("", ["--gossip.fanout", "x"], "argument --gossip.fanout: invalid int value: 'x'"),
+    ("", ["--training.duty-cycle", "0"], "duty_cycle must be in (0, 1], got 0.0"),
     ("", ["--gossip.fanot", "3"], "unrecognized arguments: --gossip.fanot 3 (did you mean --gossip.fanout?)"),
 ])
 def test_a_mistake_is_one_line_and_exit_2_before_the_network(tmp_path, content, extra, message):

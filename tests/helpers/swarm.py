@@ -24,6 +24,11 @@ import torch
 PEER_ARGS = ("--preset", "test", "--inner-steps", "10", "--torch-threads", "1", "--eval-every", "2",
              "--eval-batches", "2", "--record-ttl-s", "12", "--gossip-anti-entropy-s", "1")
 """What every test peer runs with: the tiny test model, short phases, fast refresh and anti-entropy."""
+PACED = ("--training.duty-cycle", "0.5")
+"""For peers that train until told to stop beside the ones a test waits on: they compute half the time
+(train/pace.py), as a volunteer sharing its desktop would, so the machine's cores go to the processes starting up
+and to the other test workers. Rounds and merges are as before, at half the CPU (the main swarm test: 58 CPU-s
+against 85 alone)."""
 
 
 class WaitTimeout(AssertionError):

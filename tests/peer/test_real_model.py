@@ -19,7 +19,7 @@ import json
 import pytest
 
 from tests.helpers.faults import assert_replicas_agree
-from tests.helpers.swarm import Launcher, wait_until
+from tests.helpers.swarm import PACED, Launcher, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,11 +38,11 @@ def swarm(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("real")
     with Launcher(workdir) as launcher:
         _, bootstrap = launcher.bootstrap()
-        # A and C train until told to finish (SIGUSR1 reaches a one-process unit), at a lower CPU priority so the
-        # two processes of B start and train meanwhile; B runs its ROUNDS.
-        a = launcher.peer("A", bootstrap, *REAL, rounds=0, linger_s=LINGER_S, nice=10)
+        # A and C train until told to finish (SIGUSR1 reaches a one-process unit), at a lower CPU priority and half
+        # the time (PACED) so the two processes of B start and train meanwhile; B runs its ROUNDS.
+        a = launcher.peer("A", bootstrap, *REAL, *PACED, rounds=0, linger_s=LINGER_S, nice=10)
         b = launcher.peer("B", bootstrap, *REAL, "--gpus", "2", rounds=ROUNDS, linger_s=LINGER_S)
-        c = launcher.peer("C", bootstrap, *REAL, "--precision", "bf16", "--micro-batch", "4", rounds=0,
+        c = launcher.peer("C", bootstrap, *REAL, *PACED, "--precision", "bf16", "--micro-batch", "4", rounds=0,
                           linger_s=LINGER_S, nice=10)
         peers = [a, b, c]
         # B has published (it is listed, training), and A and C are in their ROUNDS-th round at least.

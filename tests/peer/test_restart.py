@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.faults import assert_replicas_agree, incarnations, of
-from tests.helpers.swarm import Launcher, Proc, wait_until
+from tests.helpers.swarm import PACED, Launcher, Proc, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -86,8 +86,8 @@ def test_kill_mid_inner_phase_then_restart_catches_up(tmp_path: Path) -> None:
     loads the checkpoint it wrote on exit; both catch up by gossip and train on; A never stalls."""
     with Launcher(tmp_path) as launcher:
         _, bootstrap = launcher.bootstrap()
-        a = launcher.peer("A", bootstrap, *CKPT_ARGS, linger_s=90, nice=NICE)
-        b = launcher.peer("B", bootstrap, *CKPT_ARGS, linger_s=90, nice=NICE)
+        a = launcher.peer("A", bootstrap, *CKPT_ARGS, *PACED, linger_s=90, nice=NICE)
+        b = launcher.peer("B", bootstrap, *CKPT_ARGS, *PACED, linger_s=90, nice=NICE)
         victim = launcher.peer("C", bootstrap, *CKPT_ARGS, linger_s=90)
         wait_until(lambda: any(c["why"] == "periodic" for c in victim.events("checkpoint")) and len(b.rounds()) >= 3,
                    START_S, "C's first checkpoint and B's third round", procs=[victim, a, b])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.swarm import Launcher, Proc, WaitTimeout, cli, max_relative_difference, wait_until
+from tests.helpers.swarm import PACED, Launcher, Proc, WaitTimeout, cli, max_relative_difference, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,9 +55,9 @@ def scenario(tmp_path_factory) -> Scenario:
     workdir = tmp_path_factory.mktemp("swarm")
     with Launcher(workdir) as launcher:
         boot, bootstrap = launcher.bootstrap()
-        main = [launcher.peer(name, bootstrap, *(GRACE if name == "A" else NO_GRACE), rounds=0, linger_s=120, nice=NICE)
-                for name in ("A", "B", "C")]
-        victim = launcher.peer("V", bootstrap, rounds=0, nice=NICE)
+        main = [launcher.peer(name, bootstrap, *(GRACE if name == "A" else NO_GRACE), *PACED, rounds=0, linger_s=120,
+                              nice=NICE) for name in ("A", "B", "C")]
+        victim = launcher.peer("V", bootstrap, *PACED, rounds=0, nice=NICE)
         s = Scenario(workdir, boot, bootstrap, main, victim, joiner=None)  # type: ignore[arg-type]
 
         victim.wait_rounds(2, START_S)
@@ -115,6 +115,7 @@ def test_peers_train_and_replicas_agree(scenario: Scenario) -> None:
         assert final["eval_loss"] < evals[0]["eval_loss"] - 0.5, (evals[0], final)
         assert rounds[-1]["loss"] < rounds[0]["loss"]
         assert final["merged"] > 0 and final["rejected"] == 0 and final["bytes_sent"] > 0
+        assert 0 < rounds[-1]["utilization"] <= 0.55, rounds[-1]  # PACED: it computed at most half the time
     # every peer's updates reached every other: each final vector holds all of A, B, C's rounds
     published = {_peer_id(p): len(p.rounds()) for p in main}
     states = [p.state() for p in main]

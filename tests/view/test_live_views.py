@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.faults import peer_id_of
-from tests.helpers.swarm import Launcher, Proc, cli, wait_until
+from tests.helpers.swarm import PACED, Launcher, Proc, cli, wait_until
 
 PAGE_RE = r"^status page: (http://127\.0\.0\.1:\d+/)"
 
@@ -39,9 +39,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("live-views")
     with Launcher(workdir) as launcher:
         boot, bootstrap = launcher.bootstrap(extra=("--status-port", "0"))
-        # niced like the other swarms' peers: they train flat out for the whole module (where the kernel has
+        # niced and paced like the other swarms' peers: they train for the whole module (where the kernel has
         # autogroups, as here, nice does not lower their share against other sessions: `Launcher.peer`)
-        peers = [launcher.peer(name, bootstrap, "--status-port", "0", nice=10) for name in ("a", "b")]
+        peers = [launcher.peer(name, bootstrap, "--status-port", "0", *PACED, nice=10) for name in ("a", "b")]
         for proc in peers:
             proc.wait_rounds(2, timeout_s=120)
         yield {"boot": boot, "bootstrap": bootstrap, "peers": peers, "workdir": workdir}
