@@ -1,11 +1,12 @@
 """Which sponsors' work does a proposal point along: the round before it, or its own? (the sponsors' judge, timing)
 
-A sponsor judges a proposal by its cosine with the sum of the sponsors' latest updates (sync/sponsorship.py
-`_value`) as soon as it merges it. This measures what that reference is, on the in-process swarm (the real
+A sponsor judged a proposal by its cosine with the sum of the sponsors' latest updates (sync/sponsorship.py
+`_value`) as soon as it merged it; now at the end of its own phase, by the larger of that and the cosine with its
+pseudo-gradient of the phase. This measures what those references are, on the in-process swarm (the real
 learner, judge and merge): 3 sponsors and an honest volunteer joining halfway, every unit on the whole training
 split, `test`, H=20, no crowd. For each of the volunteer's updates it records
 
-    judged        the cosine the sponsors' judge computed (sponsor 0)
+    judged        the cosine the sponsors' judge read (sponsor 0)
     previous      the cosine of its pseudo-gradient with each sponsor's last pseudo-gradient published before it
     concurrent    ... with each sponsor's first one published after it (the round it was trained beside)
     dL            its own loss change at its base on the held-out set, L(base) - L(phi), against the sponsors'
@@ -67,11 +68,12 @@ def run(seed: int, steps_per_peer: int = 200, honest: int = 3) -> dict:
         current[self.self_id] = (author, seq)
         return judge(self, author, seq, *args, **kwargs)
 
-    def value_(self, sample):  # type: ignore[no-untyped-def]
-        if self.self_id in self._latest:
-            direction = torch.stack(list(self._latest.values())).sum(0)
-            judged[(self.self_id, *current[self.self_id])] = _cos(sample, direction)
-        return value(self, sample)
+    def value_(self, sample, direction=None):  # type: ignore[no-untyped-def]
+        if self.self_id in self._latest:  # the larger of the two cosines the judge reads (sync/sponsorship.py)
+            latest = _cos(sample, torch.stack(list(self._latest.values())).sum(0))
+            judged[(self.self_id, *current[self.self_id])] = max(
+                latest, _cos(sample, direction) if direction is not None else latest)
+        return value(self, sample) if direction is None else value(self, sample, direction)  # (also on older code)
 
     learner_module.Learner.finish_phase, Sponsorship._judge, Sponsorship._value = finish_phase, judge_, value_
     try:
@@ -97,7 +99,11 @@ def run(seed: int, steps_per_peer: int = 200, honest: int = 3) -> dict:
     consecutive = [_cos(a, b) for ds in own.values() for a, b in zip(ds[3:], ds[4:])]  # past the first rounds
     same_round = [_cos(own[sponsors[0]][i], own[p][i]) for p in sponsors[1:] for i in range(3, len(own[p]))
                   if i < len(own[sponsors[0]])]
-    return {"seed": seed, "volunteer": rows, "sponsor_consecutive_median": statistics.median(consecutive),
+    by_seq = swarm.relayed_by_seq(volunteer)  # the share each sponsor relayed as a member's, by seq
+    member_from = [min((seq for seq, shares in sorted(by_seq.items()) if len(shares) > i and shares[i] > 0),
+                       default=None) for i in range(honest)]
+    return {"seed": seed, "volunteer": rows, "member_from": member_from,
+            "sponsor_consecutive_median": statistics.median(consecutive),
             "sponsors_same_round_median": statistics.median(same_round)}
 
 
@@ -113,7 +119,8 @@ def main() -> None:
         result = run(seed)
         results.append(result)
         print(f"seed {seed}: sponsors' consecutive pseudo-gradients {result['sponsor_consecutive_median']:+.2f}, "
-              f"two sponsors' in one round {result['sponsors_same_round_median']:+.2f}")
+              f"two sponsors' in one round {result['sponsors_same_round_median']:+.2f}; the volunteer relayed as a "
+              f"member's from its update {result['member_from']} (per sponsor)")
         for r in result["volunteer"][:4]:
             fmt = lambda x: "-" if x is None else f"{x:+.3f}"  # noqa: E731
             print(f"  volunteer update {r['seq']}: judged {fmt(r['judged'])}  previous round {fmt(r['previous'])}  "

@@ -32,6 +32,7 @@ Pure bookkeeping on the caller's clock (simulated or wall): no I/O, no locks (th
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -126,3 +127,9 @@ def race(window: list[Seen], unit: Tensor, date: float, near: float, *, sponsor:
             elif seen.slot is not None:
                 later.append(i)
     return copied, later
+
+
+def unit_of(sample: Tensor) -> Tensor | None:
+    """A sample at unit length, as the copy window holds it (None for a zero or non-finite one)."""
+    norm = float(sample.norm())
+    return sample / norm if norm > 0 and math.isfinite(norm) else None

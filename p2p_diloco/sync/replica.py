@@ -77,10 +77,10 @@ from p2p_diloco.sync.bans import Bans, delivers_bans
 from p2p_diloco.sync.chain import MergeChain
 from p2p_diloco.sync.merge_rule import MergeRule
 from p2p_diloco.sync.pending import Waiting
+from p2p_diloco.sync.relayed import NOTHING, Relayed
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, check_theta, header_ok
 from p2p_diloco.sync.slots import LayoutCheck, Slots
-from p2p_diloco.sync.sponsorship import NOTHING, Relayed
 from p2p_diloco.sync.standing import Standing
 from p2p_diloco.sync.types import MergeOutcome, UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
@@ -276,10 +276,10 @@ class Replica:
         with self.lock:
             return self._rule.without(updates, self._slots)
 
-    def relay(self) -> Relayed:
-        """A sponsor's relayed work for its next update (`Sponsorship.relay`)."""
+    def relay(self, current: Tensor | None = None) -> Relayed:
+        """A sponsor's relayed work for its next update, judged by `current`, its phase's pseudo-gradient."""
         with self.lock:
-            return self.standing.sponsorship.relay(self.theta) if self.standing is not None else NOTHING
+            return self.standing.sponsorship.relay(self.theta, current) if self.standing is not None else NOTHING
 
     @delivers_bans
     def load(self, theta: Tensor, version_vector: VersionVector) -> list[UpdateLike]:

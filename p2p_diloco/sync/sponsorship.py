@@ -18,9 +18,12 @@ sponsor's probation by seq), so replicas that merged the same updates are equal 
 needs nothing more, and no verdict can arrive "late". The price: proposals enter the model one sponsor phase
 later (one more round of staleness), and a sponsor spends one parameter-sized float32 buffer on them.
 
-How a sponsor judges (FLTrust's rule, Cao et al. 2021, with the founders' work as the root data): the cosine of the
-proposal with the sum of every sponsor's latest update (its own included: with a file shard per unit one unit's
-direction is mostly its own files, the sponsors' sum is what they share), on the copy window's sampled coordinates,
+How a sponsor judges (FLTrust's rule, Cao et al. 2021, with the founders' work as the root data), at the end of
+the phase the proposal merged in: the cosine of the proposal with the sum of every sponsor's latest update (its own
+included: with a file shard per unit one unit's direction is mostly its own files, the sponsors' sum is what they
+share) or, if larger, with the sponsor's pseudo-gradient of that phase (a proposer rebases onto what merges while it
+trains, so its work is often the round's beside the sponsor's, which points nearly across the round before:
+BENCHMARKS "What a proposal points along"), on the copy window's sampled coordinates,
 floored at 0, scaled down when the proposal is longer than the sponsors' updates are on average, `v = max(0, cos) *
 min(1, mean_s |u_s| / |u|)` (against the sum's length, x5 work clipped at the norm bound was relayed at up to three
 updates' length: +8.3% loss from 3 such identities), and 0 for a proposal that is a near copy (|cos| >= NEAR_COPY)
@@ -49,9 +52,7 @@ A copy whose payload reaches a sponsor before its original's no longer keeps the
 herald dates it first (sync/heralds.py; BENCHMARKS "Heralds").
 A sleeper (useful work until it graduates, then an attack) gains nothing: every update is still judged before
 it enters theta, and a strike breaks its record (RECORD more useful updates at a newcomer's share to graduate
-again). Merging a graduate's update directly at its weight, on a credential of the sponsors' signed verdicts,
-was built and measured first: exact, but a sleeper's strikes (the last two updates, not yet judged) merged in
-full, and 3 sleepers with the honest peers' compute cost +12% to +14% (BENCHMARKS "Runs with founders").
+again; merging a graduate's update at its weight on the sponsors' signed verdicts let strikes in: BENCHMARKS).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.echoes import without_echoes
-from p2p_diloco.sync.heralds import Heralds, Seen, race
+from p2p_diloco.sync.heralds import Heralds, Seen, race, unit_of
+from p2p_diloco.sync.relayed import NOTHING, Relayed, add_step
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
 NEAR_COPY = 0.95
@@ -86,28 +88,26 @@ same run with no graduation): `test` +4.6% at 1, -2.2% at 0.5, -0.5% at 0.25; `t
 0.25. 0.25 is the largest share that did not make an honest run worse on either. Since a sponsor removes its
 recent moves from what it relays (sync/echoes.py), much of that double count is gone on `test` (1: -1.7%) but not on
 `tiny` (0.5: +1.0%, 1: +6.8% against 0.25: BENCHMARKS "Echoes")."""
+MAX_PENDING = 64
+"""Proposals a sponsor holds for judging at its phase's end (references to payloads); more are judged on merging."""
 PROVEN = 0.1
 """Least value that counts as useful for the record. Honest work on shared data is judged ~0.45 (BENCHMARKS "Can
 a paired loss change tell honest work from an attack?"), noise ~0.016 on the 4096 sampled coordinates, negated
 work and near copies 0."""
 
 
-class Relayed(NamedTuple):
-    """What a sponsor's next update carries of others' work (`Sponsorship.relay`, train/outer.py `relay_payload`)."""
-
-    step: Tensor | None
-    """Theta's units, times 1 + `share`: `1/S sum v(u) step(u)` of the proposals (displacing the sponsor's own
-    work) plus `(1 + share)/S sum keep(u) step(u)` of the graduates' (which `relay_payload`'s 1 / (1 + share)
-    leaves whole)."""
-    vouches: bytes
-    """Its verdicts, for its header (wire/vouches.py): graduates' first, then the most useful proposals'."""
-    share: float
-    """The share `t` (at most 1/S) the proposals take of its update."""
-    carried: float
-    """The graduates' relayed work in merge-weight units (`outer_lr * w`): the sponsor signs that much more."""
 
 
-NOTHING = Relayed(None, b"", 0.0, 0.0)
+class Pending(NamedTuple):
+    """A proposal merged this phase, to be judged when the phase ends (`Sponsorship.relay`)."""
+
+    author: str
+    seq: int
+    sample: Tensor
+    unit: Tensor
+    step: Tensor | Decoded
+    factor: float
+    date: float
 
 
 class Sponsorship:
@@ -138,6 +138,7 @@ class Sponsorship:
         self._values: list[tuple[bytes, float]] = []  # proposals relayed at a share
         self._graded: list[tuple[bytes, float]] = []  # graduates' proposals judged
         self._snapshots: list[Tensor] = []  # at a sponsor: theta at its last ECHO relays, newest first
+        self._pending: list[Pending] = []  # at a sponsor: proposals merged this phase, not judged yet
 
     @property
     def active(self) -> bool:
@@ -151,10 +152,11 @@ class Sponsorship:
     def is_sponsor(self, author: str) -> bool:
         return author in self.sponsors
 
-    def graduated(self, author: str) -> bool:
-        """This sponsor judged `author`'s last RECORD proposals useful: it relays the next one as a member's."""
+    def graduated(self, author: str, before: int | None = None) -> bool:
+        """This sponsor judged `author`'s last RECORD proposals (before seq `before`) useful: it relays the next one
+        as a member's. (Another sponsor's vouch for the proposal being judged does not count for it.)"""
         record = self._record.get(author, {})
-        latest = sorted(record)[-RECORD:]
+        latest = sorted(seq for seq in record if before is None or seq < before)[-RECORD:]
         return len(latest) == RECORD and all(record[seq] >= PROVEN for seq in latest)
 
     @property
@@ -182,7 +184,7 @@ class Sponsorship:
         if not self.judging or sample is None:
             return
         self._now = now = self._now if now is None else max(self._now, now)
-        unit = _unit(sample)
+        unit = unit_of(sample)
         if author in self.sponsors:
             self._latest[author] = sample
             if author == self.self_id:  # the length a graduate is held to: our own work's, not what we carried
@@ -192,11 +194,25 @@ class Sponsorship:
                 self._take_back(race(self._window, unit, now, NEAR_COPY, sponsor=True)[1], None)
                 self._window.append(Seen(unit, now, None, sponsor=True, author=author, round=self._round))
         elif unit is not None and step is not None:
-            self._judge(author, seq, sample, unit, step, factor, self.heralds.priority(author, seq, update_id, now))
+            date = self.heralds.priority(author, seq, update_id, now)
+            if len(self._pending) < MAX_PENDING:  # judged when our phase ends, by the work we did beside it
+                self._pending.append(Pending(author, seq, sample, unit, step, factor, date))
+            else:
+                self._judge(author, seq, sample, unit, step, factor, date)
         del self._window[:-MAX_WINDOW]
 
+    def judge(self, current: Tensor | None = None) -> None:
+        """Judge the proposals merged since the last judgement, in the order they merged; `current`: our pseudo-gradient
+        of the phase now ending (`relay`; see the module docstring), else by the sponsors' latest updates alone."""
+        direction = None
+        if current is not None and self._at is not None and int(self._at[-1]) < current.numel():
+            direction = current[self._at]
+        pending, self._pending = self._pending, []
+        for p in pending:
+            self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction)
+
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
-               date: float) -> None:
+               date: float, direction: Tensor | None = None) -> None:
         """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
         graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
@@ -209,18 +225,18 @@ class Sponsorship:
             return
         if displaced:
             self._take_back(displaced, key)
-        graduate = self.graduated(author)
-        value, keep = self._value(sample)
+        graduate = self.graduated(author, before=seq)
+        value, keep = self._value(sample, direction)
         _bounded(self.judged, (author, seq), (value, keep if graduate else 0.0))
         if graduate:
             if keep > 0 and not displaced:
                 _bounded(self.relayed, author, self.relayed.get(author, 0.0) + keep / len(self.sponsors))
-                self._full = _add(self._full, step, factor * keep)
+                self._full = add_step(self._full, step, factor * keep)
                 self._carried += factor * keep
             if len(self._graded) < MAX_VOUCHES and not displaced:  # what its header can list
                 self._graded.append((key, value))
         elif value > 0 and not displaced and len(self._values) < MAX_VOUCHES:
-            self._relay = _add(self._relay, step, factor * value)
+            self._relay = add_step(self._relay, step, factor * value)
             self._values.append((key, value))
         self._note(author, seq, value)
         self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round))
@@ -243,13 +259,15 @@ class Sponsorship:
                 self._values = [(key if k == lost else k, v) for k, v in self._values]
                 self._graded = [(key if k == lost else k, v) for k, v in self._graded]
 
-    def relay(self, theta: Tensor | None = None) -> Relayed:
-        """What this sponsor's next update carries for the proposals it judged since its last one (`Relayed`):
+    def relay(self, theta: Tensor | None = None, current: Tensor | None = None) -> Relayed:
+        """What this sponsor's next update carries for the proposals merged since its last one (`Relayed`), judged
+        now by `current`, its pseudo-gradient of the phase ending (`judge`):
         the proposals' values scaled to sum to at most 1, so all of them together take at most one share `t` <= 1/S
         of its update, mixed in by displacing its own work, `(own + relayed) / (1 + t)`; the graduates' on top, as
         members' (`GRADUATE_SHARE * keep` of each step, over S). Drains them."""
         if not self.judging:
             return NOTHING
+        self.judge(current)
         relay, full, values, graded = self._relay, self._full, self._values, self._graded
         carried, sponsors = self._carried, len(self.sponsors)
         self._relay, self._full, self._values, self._graded = None, None, [], []
@@ -300,21 +318,28 @@ class Sponsorship:
         record[seq] = max(value, record.get(seq, 0.0))
         _bounded(self._record, author, {k: record[k] for k in sorted(record)[-RECORD - 2:]})
 
-    def _value(self, sample: Tensor) -> tuple[float, float]:
-        """(v, keep): a proposal's value and the share of a graduate's step to relay."""
+    def _value(self, sample: Tensor, direction: Tensor | None = None) -> tuple[float, float]:
+        """(v, keep): a proposal's value and the share of a graduate's step to relay, by its cosine with the sum of
+        the sponsors' latest updates or, if larger, with `direction` (our pseudo-gradient of its phase)."""
         if self.self_id not in self._latest:
             return 0.0, 0.0  # no work of our own yet to judge by
         latest = list(self._latest.values())
-        own = torch.stack(latest).sum(0)  # the direction: what the sponsors' work shares
         length = sum(float(x.norm()) for x in latest) / len(latest)  # the length: one update's, not the sum's
         if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
             length = min(length, self._own_length)
-        norm, own_norm = float(sample.norm()), float(own.norm())
-        if not (own_norm > 0 and math.isfinite(own_norm)):
+        norm = float(sample.norm())
+        cos = max(_cos(sample, norm, torch.stack(latest).sum(0)), _cos(sample, norm, direction))
+        if not math.isfinite(cos):
             return 0.0, 0.0
-        cos = float(torch.dot(sample, own)) / (norm * own_norm)
         capped = min(1.0, length / norm)
         return min(1.0, max(0.0, cos)) * capped, GRADUATE_SHARE * capped if cos > 0 else 0.0
+
+
+def _cos(sample: Tensor, norm: float, along: Tensor | None) -> float:  # -inf: no direction to judge by
+    along_norm = float(along.norm()) if along is not None else 0.0
+    if along is None or not (along_norm > 0 and math.isfinite(along_norm)):
+        return -math.inf
+    return float(torch.dot(sample, along)) / (norm * along_norm)
 
 
 def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:
@@ -323,17 +348,3 @@ def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:
     table[key] = value
     while len(table) > MAX_EARNED:
         table.popitem(last=False)
-
-
-def _add(into: Tensor | None, step: Tensor | Decoded, factor: float) -> Tensor:
-    decoded = step if isinstance(step, Decoded) else Decoded.of(step)
-    if into is None:
-        into = torch.zeros(decoded.numel, dtype=torch.float32)
-    for part, values in decoded.chunks():
-        into[part].add_(values, alpha=factor)
-    return into
-
-
-def _unit(sample: Tensor) -> Tensor | None:
-    norm = float(sample.norm())
-    return sample / norm if norm > 0 and math.isfinite(norm) else None

@@ -211,7 +211,7 @@ class Learner:
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
         self.round_weight = weight if stretch == 1 else update_weight(
             result.samples // stretch, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
-        extra, vouches, own, weight = relay_payload(self.replica.relay(), weight, self.spec.outer)  # others' work
+        extra, vouches, own, weight = relay_payload(self.replica.relay(delta), weight, self.spec.outer)  # others'
         payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, stretch, consume=True,
                                         limit=self.sender_limit, extra=extra, own_share=own, replica=self.replica)
         own_merged = self.replica.version_vector.get(self.peer_id)

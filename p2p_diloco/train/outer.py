@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.config import OuterConfig
-from p2p_diloco.sync.sponsorship import Relayed
+from p2p_diloco.sync.relayed import Relayed
 from p2p_diloco.train.phase import swarm_rounds
 from p2p_diloco.wire.codecs import Codec
 

@@ -31,6 +31,7 @@ def _sponsor() -> tuple[Sponsorship, torch.Tensor, torch.Generator]:
 def _propose(s: Sponsorship, author: str, step: torch.Tensor, now: float, seq: int = 1,
              uid: bytes | None = None) -> None:
     s.merged(author, seq, step, step, at=AT, update_id=uid or _id(author, seq), now=now)
+    s.judge()  # at once, in the order the payloads came (a phase's end judges what merged during it the same way)
 
 
 def test_a_copy_whose_payload_comes_first_gives_its_credit_to_the_original_heard_first() -> None:

@@ -15,7 +15,7 @@ from test_replica import DIM, MAX_WEIGHT, OUTER_LR, FnCodec, decode, theta0
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.sync.replica import Replica
-from p2p_diloco.sync.sponsorship import Relayed, Sponsorship
+from p2p_diloco.sync.sponsorship import PROVEN, Relayed, Sponsorship
 from p2p_diloco.sync.standing import Standing
 from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.train.outer import OuterState, outer_update, relay_payload
@@ -147,6 +147,7 @@ def test_a_proposal_that_signs_itself_more_weight_is_relayed_no_longer_than_a_sp
 
 def _proposal(s: Sponsorship, author: str, seq: int, step: torch.Tensor) -> None:
     s.merged(author, seq, step, step)
+    s.judge()  # at once, by the sponsors' latest updates (a phase's end judges by its pseudo-gradient: below)
 
 
 def test_a_proposer_with_a_useful_record_is_relayed_as_a_member_and_a_strike_breaks_the_record() -> None:
@@ -243,3 +244,48 @@ def test_a_sponsor_relays_nothing_along_thetas_recent_moves() -> None:
     torch.testing.assert_close(moves.T @ step, torch.zeros(2), rtol=0, atol=1e-5)  # nothing along either move
     torch.testing.assert_close(step, values[key(new)] * OUTER_LR * fresh / (len(SPONSORS) * total), rtol=1e-4,
                                atol=1e-6)  # what is left: the new work, whole
+
+
+def test_a_phases_proposals_are_judged_by_the_sponsors_work_of_that_phase_too() -> None:
+    """A proposer rebases onto what merges while it trains, so its work is often the round's beside the sponsor's,
+    which points nearly across the round before (BENCHMARKS "What a proposal points along"): at its phase's end a
+    sponsor judges the proposals merged during it by its pseudo-gradient of the phase as well as by the sponsors'
+    latest updates (the larger cosine: no proposal is judged lower than by the latest alone)."""
+    g = torch.Generator().manual_seed(7)
+    at = torch.arange(512)
+    last = torch.randn(512, generator=g)  # our update of the round before
+    now = torch.randn(512, generator=g)  # our pseudo-gradient of the phase now ending: across `last`
+    beside = now + 0.5 * torch.randn(512, generator=g)  # honest work of this round
+    echo = last + 0.5 * torch.randn(512, generator=g)  # the round before, again
+    noise = torch.randn(512, generator=g)
+    judged = {}
+    for current in (now, None):
+        s = Sponsorship(SPONSORS, self_id="s1")
+        s.merged("s1", 1, last, last, at=at)
+        for author, step in (("v", beside), ("e", echo), ("n", noise)):
+            s.merged(author, 1, step, step, at=at)
+        assert not s.judged  # not before the phase ends
+        s.relay(current=current)
+        judged[current is None] = [s.judged[(a, 1)][0] for a in "ven"]
+    (v, e, n), (v_latest, e_latest, n_latest) = judged[False], judged[True]
+    assert v > 0.6 and v_latest < 0.15  # this round's work, judged by this round's
+    assert e == e_latest > 0.6  # the round before's: what the latest updates say, no more
+    assert n < 0.15 and n_latest < 0.15
+
+
+def test_another_sponsors_vouch_for_the_proposal_being_judged_does_not_count_for_its_graduation() -> None:
+    """A sponsor judges a phase's proposals when the phase ends, so another sponsor's vouch for one may come first:
+    the record it is judged on is the one before it (an author graduates on RECORD proposals before the one relayed
+    as a member's)."""
+    s = Sponsorship(SPONSORS, self_id="s1")
+    g = torch.Generator().manual_seed(9)
+    own = torch.randn(512, generator=g)
+    s.merged("s1", 1, own, own)
+    _proposal(s, "v", 1, own + torch.randn(512, generator=g))  # judged useful: one in its record
+    s.relay()
+    second = own + torch.randn(512, generator=g)
+    s.merged("v", 2, second, second)  # judged when our phase ends
+    s.vouched("s2", [(slot_key("", "v", 2), 0.5)])  # s2's update, vouching for it, merged first
+    s.relay()
+    assert s.judged[("v", 2)][0] > PROVEN and s.judged[("v", 2)][1] == 0.0  # a proposal's share, not a member's
+    assert s.graduated("v")  # from its 3rd
