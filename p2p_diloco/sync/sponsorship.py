@@ -96,8 +96,6 @@ a paired loss change tell honest work from an attack?"), noise ~0.016 on the 409
 work and near copies 0."""
 
 
-
-
 class Pending(NamedTuple):
     """A proposal merged this phase, to be judged when the phase ends (`Sponsorship.relay`)."""
 
@@ -210,6 +208,7 @@ class Sponsorship:
         pending, self._pending = self._pending, []
         for p in pending:
             self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction)
+        del self._window[:-MAX_WINDOW]
 
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
                date: float, direction: Tensor | None = None) -> None:
