@@ -7,8 +7,10 @@ proposal's step at the 4,096 sampled coordinates, compare it with this round's w
 over the payload, the axpy a merge at weight would have done; non-sponsors skip even that: a proposal merges at
 0). No forward pass. Per round a sponsor sees every other unit's update once: N - 1 of them, S - 1 of them
 sponsors'. Timed here: all of that for one round, every proposal useful (each one relayed: the worst case), plus
-`relay(theta)` at the end (which removes theta's last 2 moves from what it relays); against H = 50 inner steps of
-one unit (`inner_step`, the spec's batch).
+`relay(theta, current)` at the end (which removes theta's last 2 moves from what it relays); against H = 50 inner
+steps of one unit (`inner_step`, the spec's batch). A sponsor judges a phase's proposals when the phase ends
+(`Sponsorship.judge`, inside `relay`), on its compute thread, where before it judged each as it merged, on the
+network's side: the second number in each cell is that part, which the sponsor's round now waits for.
 
     python benchmarks/bench_validation_cost.py --presets test,tiny,small --peers 4,16,64
 """
@@ -49,9 +51,9 @@ def round_compute_s(spec, steps: int) -> tuple[float, int]:  # noqa: ANN001
     return statistics.median(times) * H, flat_params(model).numel()
 
 
-def judging_round_s(numel: int, peers: int, repeats: int) -> float:
+def judging_round_s(numel: int, peers: int, repeats: int) -> tuple[float, float]:
     """One round at sponsor "s0": the other sponsors' updates and N - S proposals, then relay() (with theta: the
-    removal of its last moves from what it relays, sync/sponsorship.py `_fresh`)."""
+    removal of its last moves from what it relays, sync/sponsorship.py `_fresh`); (all of it, relay() alone)."""
     g = torch.Generator().manual_seed(0)
     direction = torch.randn(numel, generator=g)
     steps = [direction + torch.randn(numel, generator=g) for _ in range(peers)]  # distinct: none is a near copy
@@ -60,7 +62,7 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> float:
     sponsorship: Sponsorship = standing.sponsorship
     at = standing.copies.sample_at(numel)
     theta = torch.zeros(numel)  # moved each round, so the relay's removal of the last moves has two to remove
-    times = []
+    times, at_end = [], []
     for r in range(repeats + 1):
         sponsorship.merged("s0", r + 1, steps[0][at] * 1e-3, steps[0], 1e-3, at)  # its own, untimed
         relayed = sum(sponsorship.relayed.values())
@@ -71,13 +73,15 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> float:
             sample = Decoded.of(step).take(at) * 1e-3  # what Standing.sponsored_merge takes
             sponsorship.merged(author, r + 1, sample, step, 1e-3, at)
         theta.sub_(steps[r % peers], alpha=1e-3)
-        sponsorship.relay(theta)
+        t1 = time.perf_counter()
+        sponsorship.relay(theta, current=steps[0])  # its pseudo-gradient of the phase: what it judges them by too
         if r:  # the first round fills the records
             times.append(time.perf_counter() - t0)
+            at_end.append(time.perf_counter() - t1)
             judged = [sponsorship.judged[(f"v{i}", r + 1)][0] for i in range(SPONSORS, peers)]
             assert sum(sponsorship.relayed.values()) > relayed and all(v > 0 for v in judged), \
                 "the proposals were not relayed: the timing would miss their pass over the payload"
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(at_end)
 
 
 def main() -> int:
@@ -97,8 +101,8 @@ def main() -> int:
         round_s, numel = round_compute_s(spec, args.step_samples)
         cells = []
         for n in peers:
-            judge_s = judging_round_s(numel, n, args.repeats)
-            cells.append(f"{judge_s * 1e3:.1f} ms ({judge_s / round_s:.2%})")
+            judge_s, end_s = judging_round_s(numel, n, args.repeats)
+            cells.append(f"{judge_s * 1e3:.1f} ms ({judge_s / round_s:.2%}); at the end {end_s / round_s:.2%}")
         print(f"| {name} | {numel / 1e6:.2f}M | {round_s:.2f} s | " + " | ".join(cells) + " |", flush=True)
     return 0
 
