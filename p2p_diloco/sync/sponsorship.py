@@ -57,7 +57,6 @@ again; merging a graduate's update at its weight on the sponsors' signed verdict
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -67,8 +66,9 @@ from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.echoes import without_echoes
-from p2p_diloco.sync.heralds import Heralds, Seen, race, unit_of
+from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
 from p2p_diloco.sync.relayed import NOTHING, Relayed, add_step
+from p2p_diloco.sync.worth import Along, along, worth
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
 NEAR_COPY = 0.95
@@ -122,7 +122,8 @@ class Sponsorship:
         self.judged: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()  # at a sponsor, for views:
         # (author, seq) -> (v, the share of its step relayed in full: keep for a graduate's, 0 for a proposal's)
         self._latest: dict[str, Tensor] = {}  # each sponsor's latest update, sampled: what proposals are judged by
-        self._window: list[Seen] = []  # this round's and the last one's merged updates, as the copy rule sees them
+        self._basis: tuple[Along | None, float] | None = None  # their sum and mean length, until one changes
+        self._window = Window()  # this round's and the last one's merged updates, as the copy rule sees them
         self._round = 0  # relays so far
         self.heralds = Heralds()  # at a sponsor: when each proposal was first heard of (sync/heralds.py)
         self._now = 0.0  # the latest date given to `merged`
@@ -184,7 +185,7 @@ class Sponsorship:
         self._now = now = self._now if now is None else max(self._now, now)
         unit = unit_of(sample)
         if author in self.sponsors:
-            self._latest[author] = sample
+            self._latest[author], self._basis = sample, None
             if author == self.self_id:  # the length a graduate is held to: our own work's, not what we carried
                 own = sample - self._relayed_at if self._relayed_at is not None else sample
                 self._own_length, self._relayed_at = float(own.norm()), None
@@ -197,21 +198,21 @@ class Sponsorship:
                 self._pending.append(Pending(author, seq, sample, unit, step, factor, date))
             else:
                 self._judge(author, seq, sample, unit, step, factor, date)
-        del self._window[:-MAX_WINDOW]
+        self._window.trim(MAX_WINDOW)
 
     def judge(self, current: Tensor | None = None) -> None:
         """Judge the proposals merged since the last judgement, in the order they merged; `current`: our pseudo-gradient
         of the phase now ending (`relay`; see the module docstring), else by the sponsors' latest updates alone."""
         direction = None
         if current is not None and self._at is not None and int(self._at[-1]) < current.numel():
-            direction = current[self._at]
+            direction = along(current[self._at])
         pending, self._pending = self._pending, []
         for p in pending:
             self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction)
-        del self._window[:-MAX_WINDOW]
+        self._window.trim(MAX_WINDOW)
 
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
-               date: float, direction: Tensor | None = None) -> None:
+               date: float, direction: Along | None = None) -> None:
         """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
         graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
@@ -273,7 +274,7 @@ class Sponsorship:
         # The window keeps the round just relayed: a copy that reached us before its original and went out in this
         # relay still gives its credit over when the original comes next round (its work is out: the original's
         # is not relayed again), and a copy of last round's work is still a copy.
-        self._window = [seen for seen in self._window if seen.round == self._round]
+        self._window.keep([i for i, seen in enumerate(self._window.seen) if seen.round == self._round])
         self._round += 1
         self._carried = 0.0
         share = 0.0
@@ -317,28 +318,18 @@ class Sponsorship:
         record[seq] = max(value, record.get(seq, 0.0))
         _bounded(self._record, author, {k: record[k] for k in sorted(record)[-RECORD - 2:]})
 
-    def _value(self, sample: Tensor, direction: Tensor | None = None) -> tuple[float, float]:
+    def _value(self, sample: Tensor, direction: Along | None = None) -> tuple[float, float]:
         """(v, keep): a proposal's value and the share of a graduate's step to relay, by its cosine with the sum of
         the sponsors' latest updates or, if larger, with `direction` (our pseudo-gradient of its phase)."""
         if self.self_id not in self._latest:
             return 0.0, 0.0  # no work of our own yet to judge by
-        latest = list(self._latest.values())
-        length = sum(float(x.norm()) for x in latest) / len(latest)  # the length: one update's, not the sum's
+        if self._basis is None:
+            latest = list(self._latest.values())  # the length: one update's, not the sum's
+            self._basis = along(torch.stack(latest).sum(0)), sum(float(x.norm()) for x in latest) / len(latest)
+        basis, length = self._basis
         if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
             length = min(length, self._own_length)
-        norm = float(sample.norm())
-        cos = max(_cos(sample, norm, torch.stack(latest).sum(0)), _cos(sample, norm, direction))
-        if not math.isfinite(cos):
-            return 0.0, 0.0
-        capped = min(1.0, length / norm)
-        return min(1.0, max(0.0, cos)) * capped, GRADUATE_SHARE * capped if cos > 0 else 0.0
-
-
-def _cos(sample: Tensor, norm: float, along: Tensor | None) -> float:  # -inf: no direction to judge by
-    along_norm = float(along.norm()) if along is not None else 0.0
-    if along is None or not (along_norm > 0 and math.isfinite(along_norm)):
-        return -math.inf
-    return float(torch.dot(sample, along)) / (norm * along_norm)
+        return worth(sample, (basis, direction), length, GRADUATE_SHARE)
 
 
 def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from p2p_diloco.sync.heralds import MAX_HEARD
+from p2p_diloco.sync.heralds import MAX_HEARD, Seen, Window, race, unit_of
 from p2p_diloco.sync.sponsorship import RECORD, Sponsorship
 from p2p_diloco.wire.vouches import slot_key, unpack_vouches
 
@@ -158,3 +160,52 @@ def test_a_copy_relayed_before_its_original_came_gives_its_credit_over_in_the_ne
     s.relay()
     _propose(s, "steady", steady + 0.01 * torch.randn(DIM, generator=g), now=6.0, seq=2)
     assert s.judged[("steady", 2)][0] > 0.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "copy", "keep", "trim", "credit"]), st.integers(0, 2**16)),
+                max_size=60))
+def test_the_window_finds_exactly_the_near_copies_a_loop_over_its_entries_finds(ops: list[tuple[str, int]]) -> None:
+    """Window (one matrix of samples) against the list it replaced, through appends, compactions and credit changes:
+    `race` gives the same answer for every query."""
+    window, naive = Window(), []
+    g = torch.Generator().manual_seed(0)
+    for op, arg in ops:
+        if op in ("append", "copy"):
+            base = naive[arg % len(naive)].unit if op == "copy" and naive else torch.randn(16, generator=g)
+            unit = unit_of(base + 0.05 * torch.randn(16, generator=g))
+            assert unit is not None
+            slot = ("a", arg) if arg % 3 else None
+            seen = Seen(unit, float(arg % 7), slot, sponsor=arg % 5 == 0, author=f"a{arg % 4}")
+            window.append(seen)
+            naive.append(seen)
+        elif op == "keep":
+            which = [i for i in range(len(naive)) if (arg >> (i % 16)) & 1]
+            window.keep(which)
+            naive = [naive[i] for i in which]
+        elif op == "trim":
+            window.trim(arg % 8)
+            naive = naive[len(naive) - min(len(naive), arg % 8):]
+        elif naive:
+            i = arg % len(naive)
+            naive[i] = naive[i]._replace(slot=None)
+            window[i] = window[i]._replace(slot=None)
+        query = unit_of(torch.randn(16, generator=g) if not naive or arg % 2 else naive[-1].unit)
+        assert query is not None
+        for sponsor, author in ((False, ""), (True, ""), (False, "a1")):
+            assert race(window, query, 3.0, 0.9, sponsor=sponsor, author=author) == \
+                _loop_race(naive, query, 3.0, 0.9, sponsor=sponsor, author=author)
+
+
+def _loop_race(window: list[Seen], unit: torch.Tensor, date: float, near: float, *, sponsor: bool,
+               author: str) -> tuple[bool, list[int]]:
+    """The rule of `race`, one entry at a time."""
+    copied, later = False, []
+    for i, seen in enumerate(window):
+        if (author and seen.author == author) or abs(float(torch.dot(seen.unit, unit))) < near:
+            continue
+        if seen.sponsor or (not sponsor and seen.date <= date):
+            copied = True
+        elif seen.slot is not None:
+            later.append(i)
+    return copied, later

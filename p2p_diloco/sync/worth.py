@@ -1,0 +1,39 @@
+"""What a proposal is worth to a sponsor (sync/sponsorship.py): FLTrust's rule (Cao et al. 2021) on the copy
+window's sampled coordinates. Pure: no state, no I/O.
+
+`v = max(0, cos) * min(1, length / |u|)`, `cos` the larger of the proposal's cosines with the directions it is
+judged by, `length` what one sponsor's update measures (a longer proposal is scaled down: work scaled up within
+the norm bound gains nothing); `keep = share * min(1, length / |u|)` for a proposal that points along them at
+all (a graduate's step relayed as a member's), else 0. No direction, or a non-finite cosine: (0, 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+Along = tuple[Tensor, float]
+"""A direction to judge by, with its length (computed once, then used for every proposal of a phase)."""
+
+
+def along(direction: Tensor) -> Along | None:
+    """`direction` with its length; None for a zero or non-finite one (nothing to judge by)."""
+    length = float(direction.norm())
+    return (direction, length) if length > 0 and math.isfinite(length) else None
+
+
+def cosine(sample: Tensor, norm: float, direction: Along | None) -> float:
+    """The cosine of `sample` (length `norm`) with `direction`; -inf with none."""
+    return -math.inf if direction is None else float(torch.dot(sample, direction[0])) / (norm * direction[1])
+
+
+def worth(sample: Tensor, directions: tuple[Along | None, ...], length: float, share: float) -> tuple[float, float]:
+    """(v, keep) of a proposal's `sample` (see the module docstring)."""
+    norm = float(sample.norm())
+    cos = max((cosine(sample, norm, d) for d in directions), default=-math.inf)
+    if not math.isfinite(cos):
+        return 0.0, 0.0
+    capped = min(1.0, length / norm)
+    return min(1.0, max(0.0, cos)) * capped, share * capped if cos > 0 else 0.0

@@ -1,0 +1,44 @@
+"""What a proposal is worth to a sponsor (sync/worth.py): bounded, no gain from scaling work up or from pointing
+against the sponsors, and judged by whichever direction it follows best."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_diloco.sync.worth import along, cosine, worth
+
+DIM = 64
+SHARE = 0.25
+
+
+def _vec(seed: int) -> torch.Tensor:
+    return torch.randn(DIM, generator=torch.Generator().manual_seed(seed))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6),
+       st.floats(0.01, 100.0), st.floats(1.0, 1e4))
+def test_worth_is_bounded_and_scaling_work_up_never_raises_it(s: int, a: int, b: int, length: float,
+                                                               scale: float) -> None:
+    sample, d1, d2 = _vec(s), along(_vec(a)), along(_vec(b))
+    v, keep = worth(sample, (d1, d2), length, SHARE)
+    assert 0.0 <= v <= 1.0 and 0.0 <= keep <= SHARE
+    assert worth(sample * scale, (d1, d2), length, SHARE)[0] <= v + 1e-6
+    best = max(worth(sample, (d1,), length, SHARE)[0], worth(sample, (d2,), length, SHARE)[0])
+    assert math.isclose(v, best, abs_tol=1e-9)  # the better of the two directions decides
+    norm = float(sample.norm())
+    assert v <= max(0.0, cosine(sample, norm, d1), cosine(sample, norm, d2)) + 1e-6
+
+
+def test_work_against_every_direction_and_work_with_none_to_judge_by_are_worth_nothing() -> None:
+    d = _vec(1)
+    assert worth(-d, (along(d), along(d * 3)), 10.0, SHARE) == (0.0, 0.0)
+    assert worth(d, (None, along(torch.zeros(DIM))), 10.0, SHARE) == (0.0, 0.0)
+    assert worth(d, (along(torch.full((DIM,), math.nan)),), 10.0, SHARE) == (0.0, 0.0)
+    v, keep = worth(d, (along(d),), float(d.norm()), SHARE)
+    assert math.isclose(v, 1.0, rel_tol=1e-6) and math.isclose(keep, SHARE, rel_tol=1e-6)
+    assert math.isclose(worth(d * 4, (along(d),), float(d.norm()), SHARE)[0], 0.25, rel_tol=1e-6)  # 4x long
