@@ -26,7 +26,7 @@ from pathlib import Path
 from p2p_diloco.cli.args import Options, add_config_args, apply_args, flat_names
 from p2p_diloco.sim.scale import ScaleConfig, ScaleResult, simulate_scale
 
-DATE = "2026-11-21"
+DATE = time.strftime("%Y-%m-%d", time.gmtime())
 DEEPMIND = {"chips": 1_200_000, "decoupled": 0.88, "dp": 0.27}
 """Decoupled DiLoCo (DeepMind, arXiv 2604.21428, 2026): goodput at 1.2M simulated chips under high failure rates."""
 LLAMA3_MTBF_H = 50_000.0
@@ -135,10 +135,10 @@ def traffic_job(base: ScaleConfig) -> ScaleConfig:
 
 def exp_traffic(base: ScaleConfig, log: dict, md: list[str]) -> None:
     job = traffic_job(base)
-    configs = [(f"full N={n}", dataclasses.replace(job, units=n, chips=n, gossip="full"))
-               for n in (4, 8, 16, 32, 64, 128, 256, 512)]
-    configs += [(f"full+dedup N={n}", dataclasses.replace(job, units=n, chips=n, gossip="full", dedup_inflight=True))
-                for n in (8, 32, 128)]
+    configs = [(f"full N={n}", dataclasses.replace(job, units=n, chips=n, gossip="full", dedup_inflight=True))
+               for n in (4, 8, 16, 32, 64, 128, 256, 512, 1024)]
+    configs += [(f"full, no claims N={n}", dataclasses.replace(job, units=n, chips=n, gossip="full",
+                                                                dedup_inflight=False)) for n in (8, 32, 128)]
     configs += [(f"tree N={n}", dataclasses.replace(job, units=n, chips=n, gossip="tree"))
                 for n in (4, 8, 16, 32, 64, 128, 256, 512, 1024)]
     results = sweep("traffic", configs, log)
@@ -149,16 +149,17 @@ def exp_traffic(base: ScaleConfig, log: dict, md: list[str]) -> None:
               f"{job.round_s:g} s, speed spread sigma {job.speed_sigma}, no failures, 4 rounds then drain. "
               f"Tree: fan-in {job.tree_fanin}, one epoch per round. Bytes are per unit per round of updates; "
               "'link busy' is that over what the uplink can carry in a round (over 100%: it cannot keep up).\n")
-    md.append("Full dissemination is the real gossip (a second announcer's pull while the first is in flight "
-              "fetches a duplicate); 'full, dedup' skips such pulls (`dedup_inflight`), what the real gossip could "
-              "do by remembering what is in flight.\n")
+    md.append("Full dissemination is the real gossip: a pull asks only beyond what the pulls in flight will bring "
+              "(net/gossip/pulls.py claims), so no update is fetched twice at once; 'full, no claims' pulls again "
+              "from a second announcer while the first pull is in flight (`dedup_inflight=False`: the real gossip "
+              "before its claims).\n")
     md += ["| gossip | units N | payload sent / unit / round | copies sent per update | metadata / unit / round "
            "| max unit sent | link busy | duplicate pulls | delivery p50 / p99 (s) |",
            "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         c, r = res.config, res.methods["decoupled"]
         t, lat = r.traffic, r.delivery_latency_s
-        mode = "full, dedup" if c.dedup_inflight else c.gossip
+        mode = "full, no claims" if c.gossip == "full" and not c.dedup_inflight else c.gossip
         md.append(f"| {mode} | {c.units} | {t['payload_sent_mean'] / 1e9:.2f} GB | {t['copies_sent_mean']:.2f} | "
                   f"{t['metadata_sent_mean'] / 1e6:.2f} MB | {t['sent_max'] / 1e9:.2f} GB | "
                   f"{pct(t['sent_mean'] / link_per_round)} | {pct(r.gossip['duplicate_fraction'])} | "
@@ -218,9 +219,9 @@ def plot(log: dict, path: str) -> None:
         ax.legend(fontsize=7)
     if "traffic" in log:
         ax = axes[1]
-        for gossip, dedup, style, label in (("full", False, "o-", "full dissemination (real gossip)"),
-                                            ("full", True, "o--", "full, no duplicate pulls"),
-                                            ("tree", False, "s-", "tree aggregation")):
+        for gossip, dedup, style, label in (("full", True, "o-", "full dissemination (real gossip)"),
+                                            ("full", False, "o--", "full, no claims (duplicate pulls)"),
+                                            ("tree", True, "s-", "tree aggregation")):
             pts = [(e["config"]["units"], e["methods"]["decoupled"]["traffic"]["sent_mean"] / 1e9)
                    for e in log["traffic"]
                    if e["config"]["gossip"] == gossip and e["config"]["dedup_inflight"] == dedup]

@@ -2,8 +2,9 @@
 
 Full dissemination follows net/gossip/service.py. A publisher announces its version vector to `fanout` random live
 peers; a peer that lacks the update pulls it (request: its own vector; response: the payload) and, if it was
-new, re-announces to `fanout` others. A peer pulls again from a second announcer while the first pull is in
-flight (the real code does; `dedup_inflight` turns it off), which costs duplicate payloads. Push gossip alone
+new, re-announces to `fanout` others. A peer does not pull an update from a second announcer while a pull
+bringing it is in flight (the real code's claims; `dedup_inflight=False` pulls again: duplicate payloads). Push
+gossip alone
 leaves about e^-fanout of the peers unreached; when a wave ends, each live peer still lacking the update pulls
 it from a holder after about `anti_entropy_s` (anti-entropy, or a later announce naming it). Every peer
 receives about one copy of every update: O(N) bytes per peer per round, plus O(N) vector bytes per announce.
