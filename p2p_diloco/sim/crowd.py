@@ -75,6 +75,7 @@ class CrowdSwarm(HostileSwarm):
         self.modes = [mode_of(attack.mode, i) for i in range(attack.size)]
         self.noise_rng = torch.Generator().manual_seed(spec.seed + 1)
         self.bound = MergePolicy.from_spec(spec).reject_above
+        self._theta_before: torch.Tensor | None = None  # the source's theta at its last update (`echo_noise`)
         super().__init__(spec, sim, corpus, adversaries, progress=progress)
 
     def _add_peer(self, speed: float, state: ReplicaState | None = None) -> SimPeer:
@@ -129,13 +130,18 @@ class CrowdSwarm(HostileSwarm):
         codec, h = source.learner.codec, honest.header
         d = codec.decompress(honest.payload, h.numel)
         exact: dict[str, bytes] = {}  # the exact copies are one payload for the whole crowd
+        along = None
+        if "echo_noise" in self.modes:  # the swarm's move since the source's last update: public knowledge
+            theta = source.learner.replica.theta.clone()
+            along = self._theta_before - theta if self._theta_before is not None else None
+            self._theta_before = theta
         targets = [p for p in self._alive() if p is not source] + [source]
         for i, identity in enumerate(self.crowd):
             mode = self.modes[i]
             payload = exact.get(mode)
             if payload is None:
                 payload = codec.compress(crowd_delta(mode, d, factor=self.attack.factor, bound=self.bound,
-                                                     rng=self.noise_rng))
+                                                     rng=self.noise_rng, along=along))
                 if mode in EXACT:
                     exact[mode] = payload
             self.crowd_seq[i] += 1

@@ -14,6 +14,13 @@ tampering modes, including those designed against the copy test and the norm bou
     near_copy_pos   the same, not negated: K more votes for the honest direction (amplification, overshoot)
     scale_bound     a negated near copy scaled to BOUND_MARGIN of the spec's per-coordinate norm bound (the
                     longest payload the bound lets through; `factor` times the honest length if there is none)
+    echo_noise      the swarm's own recent move (`along`: theta's move since the copied peer's last update, what
+                    anyone holding the public updates can compute) plus this identity's own noise, at cosine
+                    ECHO_COSINE with that move and the honest length: no compute, no honest work in it, yet it
+                    points along the sponsors' work (built against a judge of directions), and no two identities'
+                    payloads are near copies (|cos| ~ ECHO_COSINE ** 2)
+    echo_source     the same with the copied update itself as `along`: an echo of one published update (a
+                    sponsor's, when the crowd copies a sponsor) with enough noise to pass the copy rule
     mixed           sign_flip and scale alternating (identity i: i % 2)
     mixed_adaptive  near_copy, near_copy_pos, scale_bound and noise_shaped in turn (identity i: i % 4)
 
@@ -34,9 +41,12 @@ NEAR_NOISE = 0.05
 """A near copy's own noise, as a fraction of the honest update's L2 length."""
 BOUND_MARGIN = 0.98
 """What fraction of the norm bound a bounded payload reaches (the codec's rounding must not carry it over)."""
+ECHO_COSINE = 0.9
+"""`echo_noise`'s cosine with the swarm's recent move."""
 MIXES = {"mixed": ("sign_flip", "scale"),
          "mixed_adaptive": ("near_copy", "near_copy_pos", "scale_bound", "noise_shaped")}
-MODES = ("sign_flip", "scale", "copy", "noise", "noise_shaped", "near_copy", "near_copy_pos", "scale_bound", *MIXES)
+MODES = ("sign_flip", "scale", "copy", "noise", "noise_shaped", "near_copy", "near_copy_pos", "scale_bound",
+         "echo_noise", "echo_source", *MIXES)
 
 
 def mode_of(mode: str, identity: int) -> str:
@@ -47,9 +57,11 @@ def mode_of(mode: str, identity: int) -> str:
     return mix[identity % len(mix)] if mix else mode
 
 
-def crowd_delta(mode: str, d: Tensor, *, factor: float, bound: float, rng: torch.Generator) -> Tensor:
+def crowd_delta(mode: str, d: Tensor, *, factor: float, bound: float, rng: torch.Generator,
+                along: Tensor | None = None) -> Tensor:
     """The payload (decoded, before compression) a crowd identity in plain mode `mode` signs in place of the
-    honest decoded payload `d`; `bound` is the spec's per-coordinate bound (inf: none)."""
+    honest decoded payload `d`; `bound` is the spec's per-coordinate bound (inf: none); `along`: the swarm's
+    recent move, for `echo_noise` (None: pure noise)."""
     if mode == "sign_flip":
         return -d
     if mode == "scale":
@@ -64,6 +76,17 @@ def crowd_delta(mode: str, d: Tensor, *, factor: float, bound: float, rng: torch
         order = torch.randperm(d.numel(), generator=rng)
         signs = torch.randint(0, 2, (d.numel(),), generator=rng, dtype=d.dtype) * 2 - 1
         return d.abs()[order] * signs
+    if mode == "echo_source":
+        mode, along = "echo_noise", d
+    if mode == "echo_noise":
+        noise = torch.randn(d.numel(), generator=rng)
+        along_norm = float(along.norm()) if along is not None else 0.0
+        if along is None or not (along_norm > 0 and math.isfinite(along_norm)):
+            return _bounded(noise * (length / noise.norm()), bound)
+        s = along / along_norm
+        noise = noise - torch.dot(noise, s) * s
+        x = ECHO_COSINE * s + math.sqrt(1 - ECHO_COSINE ** 2) * noise / noise.norm()
+        return _bounded(x * length, bound)
     if mode not in ("near_copy", "near_copy_pos", "scale_bound"):
         raise ValueError(f"{mode!r} is not a plain crowd mode")
     noise = torch.randn(d.numel(), generator=rng)
@@ -71,6 +94,12 @@ def crowd_delta(mode: str, d: Tensor, *, factor: float, bound: float, rng: torch
     x = x * (length / x.norm())
     if mode == "scale_bound":
         return x * (BOUND_MARGIN * bound / x.abs().max()) if math.isfinite(bound) else x * factor
+    return _bounded(x, bound)
+
+
+def _bounded(x: Tensor, bound: float) -> Tensor:
+    """`x`, scaled down so that its largest coordinate stays under BOUND_MARGIN of `bound` (the attacker knows
+    the spec)."""
     peak = float(x.abs().max())
     return x * (BOUND_MARGIN * bound / peak) if math.isfinite(bound) and peak > BOUND_MARGIN * bound else x
 
