@@ -36,6 +36,22 @@ from p2p_diloco.train.data.corpus import evaluate, load_corpus
 from p2p_diloco.train.models.build import build_model, load_flat_params
 
 
+def _judged(sponsorship, sample, direction) -> float:  # type: ignore[no-untyped-def]
+    """The cosine a sponsor's judge reads: the larger of the proposal's with the sponsors' latest updates and with
+    its own phase's work, or, once it knows theta's recent moves, its new part's with its own phase's new work."""
+    from p2p_diloco.sync.echoes import without
+    from p2p_diloco.sync.worth import along, cosine
+
+    if isinstance(direction, torch.Tensor):  # the code before sync/worth.py
+        direction = along(direction)
+    fresh = getattr(sponsorship, "_fresh", [])
+    if fresh:
+        new = without(sample.clone(), fresh)
+        return cosine(new, float(new.norm()), direction)
+    latest = along(torch.stack(list(sponsorship._latest.values())).sum(0))
+    return max(cosine(sample, float(sample.norm()), latest), cosine(sample, float(sample.norm()), direction))
+
+
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
@@ -69,10 +85,8 @@ def run(seed: int, steps_per_peer: int = 200, honest: int = 3) -> dict:
         return judge(self, author, seq, *args, **kwargs)
 
     def value_(self, sample, direction=None):  # type: ignore[no-untyped-def]
-        if self.self_id in self._latest:  # the larger of the two cosines the judge reads (sync/sponsorship.py)
-            latest = _cos(sample, torch.stack(list(self._latest.values())).sum(0))
-            judged[(self.self_id, *current[self.self_id])] = max(
-                latest, _cos(sample, direction) if direction is not None else latest)
+        if self.self_id in self._latest:  # the cosine the judge reads (sync/sponsorship.py `_value`)
+            judged[(self.self_id, *current[self.self_id])] = _judged(self, sample, direction)
         return value(self, sample) if direction is None else value(self, sample, direction)  # (also on older code)
 
     learner_module.Learner.finish_phase, Sponsorship._judge, Sponsorship._value = finish_phase, judge_, value_

@@ -66,13 +66,14 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> tuple[float, float]
     for r in range(repeats + 1):
         sponsorship.merged("s0", r + 1, steps[0][at] * 1e-3, steps[0], 1e-3, at)  # its own, untimed
         relayed = sum(sponsorship.relayed.values())
+        move = torch.randn(numel, generator=g)  # theta's move this round: not what the proposals' new work is along
         t0 = time.perf_counter()
         for i in range(1, peers):
             author = f"s{i}" if i < SPONSORS else f"v{i}"
             step = steps[i]
             sample = Decoded.of(step).take(at) * 1e-3  # what Standing.sponsored_merge takes
             sponsorship.merged(author, r + 1, sample, step, 1e-3, at)
-        theta.sub_(steps[r % peers], alpha=1e-3)
+        theta.sub_(move, alpha=1e-3)
         t1 = time.perf_counter()
         sponsorship.relay(theta, current=steps[0])  # its pseudo-gradient of the phase: what it judges them by too
         if r:  # the first round fills the records

@@ -29,15 +29,33 @@ def without_echoes(relay: Tensor | None, theta: Tensor, snapshots: list[Tensor])
     kept = [theta.clone(), *snapshots[:ECHO - 1]]
     if relay is None:
         return relay, kept
-    basis: list[Tensor] = []
+    moves = []
     for i, older in enumerate(snapshots):  # move i: snapshot i - the point after it, newest first
         newer = theta if i == 0 else snapshots[i - 1]
-        move = older.sub_(newer) if i == ECHO - 1 else older - newer  # the oldest is not kept: in place
-        for b in basis:  # Gram-Schmidt
+        moves.append(older.sub_(newer) if i == ECHO - 1 else older - newer)  # the oldest is not kept: in place
+    return without(relay, orthonormal(moves)), kept
+
+
+def moves_at(theta: Tensor, snapshots: list[Tensor], at: Tensor) -> list[Tensor]:
+    """Theta's moves over the last ECHO phases (as `without_echoes` takes them), at the coordinates `at` only."""
+    points = [theta[at], *(snapshot[at] for snapshot in snapshots)]
+    return [older - newer for newer, older in zip(points, points[1:])]
+
+
+def orthonormal(moves: list[Tensor]) -> list[Tensor]:
+    """An orthonormal basis of the span of `moves` (Gram-Schmidt, in place; zero or non-finite ones skipped)."""
+    basis: list[Tensor] = []
+    for move in moves:
+        for b in basis:
             move.sub_(b, alpha=float(torch.dot(move, b)))
         norm = float(move.norm())
         if norm > 0 and math.isfinite(norm):
             basis.append(move.div_(norm))
+    return basis
+
+
+def without(x: Tensor, basis: list[Tensor]) -> Tensor:
+    """`x` without its components along the orthonormal `basis` (in place)."""
     for b in basis:
-        relay.sub_(b, alpha=float(torch.dot(relay, b)))
-    return relay, kept
+        x.sub_(b, alpha=float(torch.dot(x, b)))
+    return x

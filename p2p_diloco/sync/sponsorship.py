@@ -30,29 +30,27 @@ updates' length: +8.3% loss from 3 such identities), and 0 for a proposal that i
 of another author's update merged this round or the last and dated before it (by its herald, sync/heralds.py; one
 dated after it that took the credit first gives it over): a crowd re-signing honest work with noise adds nothing, a
 graduate's copy included (its work is in already: relayed again as a member's, 10 graduated copiers would relay one
-update 10 times), and a proposal that lost such a race keeps its record. Measured (BENCHMARKS "Can a paired loss
-change tell honest work from an attack?"): with units drawing from the whole data the cosine judges 0% of honest
-updates harmful and 0% of negated ones useful, one update at a time; with a file shard per unit honest updates point
-slightly against each other late in a run, so honest proposals there get little weight (denial, not poisoning: the
-one-share bound holds whatever the judge says). The values go into the sponsor's signed header (wire/envelope.py
-`vouches`) so that every peer can count what each author's work was judged worth (`earned`).
+update 10 times), and a proposal that lost such a race keeps its record. With a file shard per unit honest work
+points less along the sponsors' late in a run (BENCHMARKS "Can a paired loss change tell honest work from an
+attack?"): denial, not poisoning. The values go into the sponsor's signed header (`vouches`; `earned`).
 
 **Echoes.** Before it signs, a sponsor removes from what it relays every component along theta's moves over its
 last ECHO phases (sync/echoes.py): they are merged already, and a proposal that echoes them would move theta along
-them a second time.
+them a second time. It judges by what is new too: once it knows those moves, a proposal's cosine is that of its
+part outside their span with the same part of the sponsor's own work of the phase (which no one has seen yet),
+and one under PROVEN counts as 0 (many proposals of noise each judged a little summed to a full share). Else a
+crowd with no compute echoes published work with its own noise, at a cosine just under the copy rule's: 100
+identities echoing a sponsor's update graduated and cost +84.7% (BENCHMARKS "Echo crowds"). Each sponsor's latest
+update in the span too stopped that echo entirely but kept honest volunteers from graduating for 4-7 updates.
 
 **Graduation.** One share for all newcomers would leave an honest volunteer's work at a fraction for ever. So
 a sponsor that judged an author's last RECORD proposals useful (each `v >= PROVEN`, its own verdicts or another
 sponsor's) relays its next ones **as a member's**: `keep(u) * step(u) / S`, `keep = GRADUATE_SHARE * min(1,
 mean_s |u_s| / |u|)` if it points along the sponsors' work (else 0), outside the newcomers' share and not
-displacing the sponsor's own work; the sponsor signs a weight that
-carries it (train/outer.py `relay_payload`). The record is the sponsor's own, so graduation needs no agreement
-between replicas: it only shapes the sponsor's payload. An honest volunteer's 3rd update is relayed as a member's.
-A copy whose payload reaches a sponsor before its original's no longer keeps the slot's judgment: the original's
-herald dates it first (sync/heralds.py; BENCHMARKS "Heralds").
-A sleeper (useful work until it graduates, then an attack) gains nothing: every update is still judged before
-it enters theta, and a strike breaks its record (RECORD more useful updates at a newcomer's share to graduate
-again; merging a graduate's update at its weight on the sponsors' signed verdicts let strikes in: BENCHMARKS).
+displacing the sponsor's own work; the sponsor signs a weight that carries it (train/outer.py `relay_payload`). The
+record is the sponsor's own: graduation needs no agreement between replicas. A sleeper (useful work until it
+graduates, then an attack) gains nothing: every update is still judged before it enters theta, and a strike breaks
+its record.
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
-from p2p_diloco.sync.echoes import without_echoes
+from p2p_diloco.sync.echoes import moves_at, orthonormal, without, without_echoes
 from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
 from p2p_diloco.sync.relayed import NOTHING, Relayed, add_step
 from p2p_diloco.sync.worth import Along, along, worth
@@ -138,6 +136,7 @@ class Sponsorship:
         self._graded: list[tuple[bytes, float]] = []  # graduates' proposals judged
         self._snapshots: list[Tensor] = []  # at a sponsor: theta at its last ECHO relays, newest first
         self._pending: list[Pending] = []  # at a sponsor: proposals merged this phase, not judged yet
+        self._fresh: list[Tensor] = []  # theta's moves at our last relay, sampled, orthonormal: echoes (`_value`)
 
     @property
     def active(self) -> bool:
@@ -205,7 +204,7 @@ class Sponsorship:
         of the phase now ending (`relay`; see the module docstring), else by the sponsors' latest updates alone."""
         direction = None
         if current is not None and self._at is not None and int(self._at[-1]) < current.numel():
-            direction = along(current[self._at])
+            direction = along(without(current[self._at], self._fresh))
         pending, self._pending = self._pending, []
         for p in pending:
             self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction)
@@ -267,6 +266,9 @@ class Sponsorship:
         members' (`GRADUATE_SHARE * keep` of each step, over S). Drains them."""
         if not self.judging:
             return NOTHING
+        if theta is not None and self._at is not None and self._snapshots and int(self._at[-1]) < theta.numel():
+            self._fresh = orthonormal(moves_at(theta, self._snapshots, self._at))  # what is no longer new
+            self._basis = None
         self.judge(current)
         relay, full, values, graded = self._relay, self._full, self._values, self._graded
         carried, sponsors = self._carried, len(self.sponsors)
@@ -325,11 +327,14 @@ class Sponsorship:
             return 0.0, 0.0  # no work of our own yet to judge by
         if self._basis is None:
             latest = list(self._latest.values())  # the length: one update's, not the sum's
-            self._basis = along(torch.stack(latest).sum(0)), sum(float(x.norm()) for x in latest) / len(latest)
+            total = torch.stack(latest).sum(0)
+            self._basis = along(without(total, self._fresh)), sum(float(x.norm()) for x in latest) / len(latest)
         basis, length = self._basis
         if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
             length = min(length, self._own_length)
-        return worth(sample, (basis, direction), length, GRADUATE_SHARE)
+        if self._fresh:  # only what is new is worth anything: an echo of theta's recent moves is not
+            return worth(without(sample.clone(), self._fresh), (direction,), length, GRADUATE_SHARE, PROVEN)
+        return worth(sample, (basis, direction), length, GRADUATE_SHARE, PROVEN)
 
 
 def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:

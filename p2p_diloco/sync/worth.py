@@ -29,11 +29,13 @@ def cosine(sample: Tensor, norm: float, direction: Along | None) -> float:
     return -math.inf if direction is None else float(torch.dot(sample, direction[0])) / (norm * direction[1])
 
 
-def worth(sample: Tensor, directions: tuple[Along | None, ...], length: float, share: float) -> tuple[float, float]:
-    """(v, keep) of a proposal's `sample` (see the module docstring)."""
+def worth(sample: Tensor, directions: tuple[Along | None, ...], length: float, share: float,
+          floor: float = 0.0) -> tuple[float, float]:
+    """(v, keep) of a proposal's `sample` (see the module docstring); `v` is 0 for a cosine under `floor` (many
+    proposals each judged a little sum to a full share), `keep` is not (a graduate's work is judged one at a time)."""
     norm = float(sample.norm())
     cos = max((cosine(sample, norm, d) for d in directions), default=-math.inf)
     if not math.isfinite(cos):
         return 0.0, 0.0
     capped = min(1.0, length / norm)
-    return min(1.0, max(0.0, cos)) * capped, share * capped if cos > 0 else 0.0
+    return (min(1.0, cos) * capped if cos >= max(floor, 0.0) else 0.0), (share * capped if cos > 0 else 0.0)

@@ -25,14 +25,17 @@ def _spec():  # noqa: ANN202
                                defence=DefenceConfig())
 
 
-def test_a_late_volunteer_copied_by_a_crowd_is_relayed_as_a_member_from_its_third_update() -> None:
+def test_a_late_volunteer_copied_by_a_crowd_is_relayed_as_a_member_from_its_fourth_update() -> None:
     # No timing noise and no grace window: the phase offsets are fixed. The crowd is the strongest a network allows
     # (`adjacent`: it holds each update as soon as its payload could first have crossed the volunteer's uplink, and
     # heralds its copies then); the volunteer's heralds date its updates first at every sponsor, so no copier
     # graduates and the crowd's copies are relayed for nothing. Without heralds (sync/heralds.py) the same crowd
     # took credit under timing noise: 9 (sponsor, copier) graduations over 3 seeds (BENCHMARKS "Heralds").
+    # In this timing the volunteer's first update was trained beside the sponsors' round before, which has merged:
+    # what is new in it is judged under PROVEN (0.00 at every sponsor), so it is a member from its 4th, where the
+    # judge that valued echoes made it one from its 3rd (BENCHMARKS "Echo crowds").
     _graduates_from_its_third_update(SimConfig(join=(f"{STEPS // 6}",), grace=0.0),
-                                     CrowdAttack(10, "copy", source=3, adjacent=True), crowd_relayed=0.0)
+                                     CrowdAttack(10, "copy", source=3, adjacent=True), crowd_relayed=0.0, first=4)
 
 
 @pytest.mark.slow  # the default suite's representative: the test above
@@ -41,7 +44,8 @@ def test_under_timing_noise_a_volunteer_copied_by_a_causal_crowd_graduates_with_
     0), with the grace window on and a crowd that copies only what has reached it (one more gossip target of the
     volunteer's): no copier graduates, and with heralds nothing of the crowd's is relayed (bench_copy_races.py)."""
     sim = SimConfig(join=(f"{STEPS // 6}",), grace=0.5, phase_jitter=0.15, latency_jitter_s=0.1, start_spread_s=1.0)
-    _graduates_from_its_third_update(sim, CrowdAttack(10, "copy", source=3, causal=True), crowd_relayed=0.0)
+    _graduates_from_its_third_update(sim, CrowdAttack(10, "copy", source=3, causal=True), crowd_relayed=0.0,
+                                     at_least=2)
 
 
 @pytest.mark.slow  # the default suite's representative: the first test
@@ -53,10 +57,15 @@ def test_under_timing_noise_heralds_hold_the_adjacent_crowd_off_when_a_payload_t
     leaves")."""
     sim = SimConfig(join=(f"{STEPS // 6}",), grace=0.5, phase_jitter=0.15, latency_jitter_s=0.1, start_spread_s=1.0,
                     bandwidth_mbps=10.0)
-    _graduates_from_its_third_update(sim, CrowdAttack(10, "copy", source=3, adjacent=True), crowd_relayed=0.0)
+    _graduates_from_its_third_update(sim, CrowdAttack(10, "copy", source=3, adjacent=True), crowd_relayed=0.0,
+                                     at_least=2)
 
 
-def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, crowd_relayed: float) -> None:
+def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, crowd_relayed: float,
+                                     first: int = RECORD + 1, at_least: int = 3) -> None:
+    """From its update `first` on, at least `at_least` of the 3 sponsors relay each of the volunteer's updates as a
+    member's. Under timing noise a sponsor judges what is new in an update (sync/sponsorship.py "Echoes") near
+    PROVEN, and one of the three may skip some (BENCHMARKS "Echo crowds")."""
     spec = _spec()
     sim = dataclasses.replace(timing, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
                               eval_every_s=float(STEPS))
@@ -69,8 +78,8 @@ def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, cro
     by_seq = {seq: shares for seq, shares in everywhere.items() if len(shares) == 3}
     assert len(by_seq) >= 5 and set(everywhere) - set(by_seq) <= {max(everywhere)}, everywhere
     assert not any(by_seq[1]) and not any(by_seq[2]), by_seq  # its first RECORD updates: a newcomer's share
-    for seq in range(RECORD + 1, max(by_seq) + 1):
-        assert all(share > 0 for share in by_seq[seq]), by_seq  # from its 3rd, at every sponsor
+    for seq in range(first, max(by_seq) + 1):
+        assert sum(share > 0 for share in by_seq[seq]) >= at_least, by_seq  # from its 3rd (`first`)
     crowd = {identity.peer_id for identity in swarm.crowd}
     for p in swarm.peers[:3]:
         sponsorship = p.learner.replica.standing.sponsorship
@@ -111,14 +120,14 @@ def test_sleepers_graduate_and_then_strike_and_none_of_their_strikes_gets_in(neg
 
 @pytest.mark.slow  # the default suite's representative: tests/sync/test_sponsorship.py (the relay's projection)
 def test_peers_that_echo_thetas_recent_move_are_relayed_but_move_it_no_further(negated: dict) -> None:
-    """3 peers that publish theta's move since their last update (at their honest length): the judge of
-    directions values it and they graduate, but what the sponsors relay of it has no component along the
-    sponsors' own recent moves, so they cost no more than peers whose work counts for nothing (before the
-    sponsors removed their moves: +4.9% against such peers here; BENCHMARKS "Echoes")."""
+    """3 peers that publish theta's move since their last update (at their honest length): a judge of directions
+    valued it and they graduated; what the sponsors relay has no component along their own recent moves, and they
+    judge what is new in a proposal, so an echo is worth nothing: they cost no more than peers whose work counts
+    for nothing (before the sponsors removed their moves: +4.9% against such peers here; BENCHMARKS "Echoes")."""
     echoes, echoed = _hostile(Hostility.TILT, factor=0.9999)
     assert echoed["finite"] and echoed["divergence"] < 1e-6
     assert echoed["eval_loss"] <= 1.02 * negated["eval_loss"], (negated, echoed)
     attackers = {p.learner.peer_id for p in echoes.peers[3:]}
-    for p in echoes.peers[:3]:  # judged useful and relayed: the relay, not the judge, is what stops them
+    for p in echoes.peers[:3]:  # the judge stops them now (it relayed them over 0.5 updates' worth each before)
         sponsorship = p.learner.replica.standing.sponsorship
-        assert sum(sponsorship.relayed.get(a, 0.0) for a in attackers) > 0.5
+        assert sum(sponsorship.relayed.get(a, 0.0) for a in attackers) < 0.2

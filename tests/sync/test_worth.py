@@ -42,3 +42,15 @@ def test_work_against_every_direction_and_work_with_none_to_judge_by_are_worth_n
     v, keep = worth(d, (along(d),), float(d.norm()), SHARE)
     assert math.isclose(v, 1.0, rel_tol=1e-6) and math.isclose(keep, SHARE, rel_tol=1e-6)
     assert math.isclose(worth(d * 4, (along(d),), float(d.norm()), SHARE)[0], 0.25, rel_tol=1e-6)  # 4x long
+
+
+def test_under_the_floor_work_earns_no_share_but_a_graduates_is_still_carried() -> None:
+    """Many proposals each judged a little (noise: |cos| ~ 1/sqrt(n)) would sum to a full newcomers' share: under
+    `floor` v is 0; a graduate's keep follows the sign alone (its work is judged one update at a time)."""
+    d = _vec(2)
+    side = _vec(3)
+    side -= torch.dot(side, d) / torch.dot(d, d) * d  # orthogonal to d
+    slight = d * 0.05 / float(d.norm()) + side / float(side.norm())  # cosine ~0.05 with d
+    v, keep = worth(slight, (along(d),), 10.0, SHARE, floor=0.1)
+    assert v == 0.0 and keep > 0
+    assert worth(slight, (along(d),), 10.0, SHARE)[0] > 0  # no floor: a little
