@@ -268,7 +268,6 @@ class Sponsorship:
             return NOTHING
         if theta is not None and self._at is not None and self._snapshots and int(self._at[-1]) < theta.numel():
             self._fresh = orthonormal(moves_at(theta, self._snapshots, self._at))  # what is no longer new
-            self._basis = None
         self.judge(current)
         relay, full, values, graded = self._relay, self._full, self._values, self._graded
         carried, sponsors = self._carried, len(self.sponsors)
@@ -321,14 +320,14 @@ class Sponsorship:
         _bounded(self._record, author, {k: record[k] for k in sorted(record)[-RECORD - 2:]})
 
     def _value(self, sample: Tensor, direction: Along | None = None) -> tuple[float, float]:
-        """(v, keep): a proposal's value and the share of a graduate's step to relay, by its cosine with the sum of
-        the sponsors' latest updates or, if larger, with `direction` (our pseudo-gradient of its phase)."""
+        """(v, keep): a proposal's value and the share of a graduate's step to relay: once we know theta's recent
+        moves, by the cosine of its part outside them with `direction` (our pseudo-gradient of its phase, the same
+        part); before, by its cosine with the sum of the sponsors' latest updates or, if larger, with `direction`."""
         if self.self_id not in self._latest:
             return 0.0, 0.0  # no work of our own yet to judge by
         if self._basis is None:
             latest = list(self._latest.values())  # the length: one update's, not the sum's
-            total = torch.stack(latest).sum(0)
-            self._basis = along(without(total, self._fresh)), sum(float(x.norm()) for x in latest) / len(latest)
+            self._basis = along(torch.stack(latest).sum(0)), sum(float(x.norm()) for x in latest) / len(latest)
         basis, length = self._basis
         if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
             length = min(length, self._own_length)
