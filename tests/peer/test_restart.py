@@ -96,6 +96,10 @@ def test_kill_mid_inner_phase_then_restart_catches_up(tmp_path: Path) -> None:
         assert b.wait(30) == 0, b.tail()
         first_b, first_c = incarnations(b)[0], incarnations(victim)[0]
         assert of(first_b, "checkpoint")[-1]["why"] == "exit"
+        # Something to catch up on: A publishes while both are away (A trains at a duty cycle, so B's restart
+        # could come before A's next update, and a catch-up with nothing new brings nothing: CI saw 19 -> 19).
+        published = len(a.rounds())
+        wait_until(lambda: len(a.rounds()) > published, START_S, "A to publish while B and C are away", procs=[a])
 
         b2, c2 = launcher.restart(b, "B2", nice=NICE), launcher.restart(victim, "C2")
         for proc in (b2, c2):
