@@ -1,7 +1,7 @@
 """Which sponsors' work does a proposal point along: the round before it, or its own? (the sponsors' judge, timing)
 
 A sponsor judged a proposal by its cosine with the sum of the sponsors' latest updates (sync/sponsorship.py
-`_value`) as soon as it merged it; now at the end of its own phase, by the larger of that and the cosine with its
+`_worths`) as soon as it merged it; now at the end of its own phase, by the larger of that and the cosine with its
 pseudo-gradient of the phase. This measures what those references are, on the in-process swarm (the real
 learner, judge and merge): 3 sponsors and an honest volunteer joining halfway, every unit on the whole training
 split, `test`, H=20, no crowd. For each of the volunteer's updates it records
@@ -66,8 +66,7 @@ def run(seed: int, steps_per_peer: int = 200, honest: int = 3) -> dict:
     swarm = CrowdSwarm(spec, sim, load_corpus(spec.data), CrowdAttack(0, "copy", 1.0, "proven", 0))
     phases: list[tuple[str, int, float, torch.Tensor]] = []  # (peer, seq, dL at its base, pseudo-gradient), in order
     judged: dict[tuple[str, str, int], float] = {}  # (sponsor, author, seq) -> the judge's cosine
-    finish, judge, value = learner_module.Learner.finish_phase, Sponsorship._judge, Sponsorship._value
-    current: dict[str, tuple[str, int]] = {}
+    finish, judge = learner_module.Learner.finish_phase, Sponsorship._judge
 
     def finish_phase(self, phase, result, view):  # type: ignore[no-untyped-def]
         start, phi = phase.base.clone(), phase.base.clone()
@@ -80,20 +79,16 @@ def run(seed: int, steps_per_peer: int = 200, honest: int = 3) -> dict:
         phases.append((self.peer_id, self.last_seq + 1, before - evaluate(model, swarm.eval_set), start - phi))
         return finish(self, phase, result, view)
 
-    def judge_(self, author, seq, *args, **kwargs):  # type: ignore[no-untyped-def]
-        current[self.self_id] = (author, seq)
-        return judge(self, author, seq, *args, **kwargs)
+    def judge_(self, author, seq, sample, unit, step, factor, date, direction=None, *args):  # type: ignore[no-untyped-def]
+        if self.self_id in self._latest:  # the cosine the judge reads (sync/sponsorship.py `_worths`)
+            judged[(self.self_id, author, seq)] = _judged(self, sample, direction)
+        return judge(self, author, seq, sample, unit, step, factor, date, direction, *args)  # (also on older code)
 
-    def value_(self, sample, direction=None):  # type: ignore[no-untyped-def]
-        if self.self_id in self._latest:  # the cosine the judge reads (sync/sponsorship.py `_value`)
-            judged[(self.self_id, *current[self.self_id])] = _judged(self, sample, direction)
-        return value(self, sample) if direction is None else value(self, sample, direction)  # (also on older code)
-
-    learner_module.Learner.finish_phase, Sponsorship._judge, Sponsorship._value = finish_phase, judge_, value_
+    learner_module.Learner.finish_phase, Sponsorship._judge = finish_phase, judge_
     try:
         swarm.run()
     finally:
-        learner_module.Learner.finish_phase, Sponsorship._judge, Sponsorship._value = finish, judge, value
+        learner_module.Learner.finish_phase, Sponsorship._judge = finish, judge
     sponsors = [p.learner.peer_id for p in swarm.peers[:honest]]
     volunteer = swarm.peers[honest].learner.peer_id
     rows = []

@@ -158,14 +158,28 @@ class Window:
         cos = self._rows[: len(self.seen)] @ unit.to(self._rows.dtype)
         return torch.nonzero(cos.abs() >= near).flatten().tolist()
 
+    def nears(self, units: Tensor, near: float) -> list[list[int]]:
+        """`near` for each row of `units`, as it will be when that row is judged: after every row before it was
+        appended to the window, one entry each, in order (`Sponsorship.judge`). Two matrix products for all rows
+        instead of one per row."""
+        old, rows = len(self.seen), self._rows
+        units = units.to(rows.dtype if rows is not None else units.dtype)
+        among = ((units @ units.T).abs() >= near).tril(-1)  # row j against the rows appended before it
+        hits = torch.cat([(units @ rows[:old].T).abs() >= near, among], 1) if rows is not None and old else among
+        out: list[list[int]] = [[] for _ in range(units.shape[0])]
+        for j, i in torch.nonzero(hits).tolist():  # row-major: each row's entries ascending, as `near` gives them
+            out[j].append(i if rows is not None and old else old + i)
+        return out
+
 
 def race(window: Window, unit: Tensor, date: float, near: float, *, sponsor: bool = False,
-         author: str = "") -> tuple[bool, list[int]]:
+         author: str = "", nearby: list[int] | None = None) -> tuple[bool, list[int]]:
     """For an update of `author` dated `date` (`unit`: its sample, unit length): (is it a near copy (|cos| >= `near`)
     of another author's in `window` dated no later, or of a sponsor's; the indices of the credited near copies dated
-    after it, or of all credited near copies for a `sponsor`'s update)."""
+    after it, or of all credited near copies for a `sponsor`'s update). `nearby`: `window.near(unit, near)` if
+    known already (`Window.nears`)."""
     copied, later = False, []
-    for i in window.near(unit, near):
+    for i in window.near(unit, near) if nearby is None else nearby:
         seen = window[i]
         if author and seen.author == author:  # its own earlier work is no original it could copy
             continue

@@ -66,7 +66,7 @@ from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.echoes import moves_at, orthonormal, without, without_echoes
 from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
 from p2p_diloco.sync.relayed import NOTHING, Relayed, add_step
-from p2p_diloco.sync.worth import Along, along, worth
+from p2p_diloco.sync.worth import Along, along, worths
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
 NEAR_COPY = 0.95
@@ -206,18 +206,22 @@ class Sponsorship:
         if current is not None and self._at is not None and int(self._at[-1]) < current.numel():
             direction = along(without(current[self._at], self._fresh))
         pending, self._pending = self._pending, []
-        for p in pending:
-            self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction)
+        if pending:  # all at once: a few matrix products, not a Python call per proposal and direction
+            values = self._worths(torch.stack([p.sample for p in pending]), direction)
+            nears = self._window.nears(torch.stack([p.unit for p in pending]), NEAR_COPY)
+            for p, value, nearby in zip(pending, values, nears):
+                self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, value, nearby)
         self._window.trim(MAX_WINDOW)
 
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
-               date: float, direction: Along | None = None) -> None:
+               date: float, direction: Along | None = None, judged: tuple[float, float] | None = None,
+               nearby: list[int] | None = None) -> None:
         """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
         graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
         and its work, relayed already through the copy, is not relayed again."""
         key = slot_key(self.run_id, author, seq)
-        copied, displaced = race(self._window, unit, date, NEAR_COPY, author=author)
+        copied, displaced = race(self._window, unit, date, NEAR_COPY, author=author, nearby=nearby)
         if copied:
             _bounded(self.judged, (author, seq), (0.0, 0.0))
             self._window.append(Seen(unit, date, None, author=author, round=self._round))
@@ -225,7 +229,7 @@ class Sponsorship:
         if displaced:
             self._take_back(displaced, key)
         graduate = self.graduated(author, before=seq)
-        value, keep = self._value(sample, direction)
+        value, keep = judged or self._worths(sample[None], direction)[0]
         _bounded(self.judged, (author, seq), (value, keep if graduate else 0.0))
         if graduate:
             if keep > 0 and not displaced:
@@ -319,12 +323,13 @@ class Sponsorship:
         record[seq] = max(value, record.get(seq, 0.0))
         _bounded(self._record, author, {k: record[k] for k in sorted(record)[-RECORD - 2:]})
 
-    def _value(self, sample: Tensor, direction: Along | None = None) -> tuple[float, float]:
-        """(v, keep): a proposal's value and the share of a graduate's step to relay: once we know theta's recent
-        moves, by the cosine of its part outside them with `direction` (our pseudo-gradient of its phase, the same
-        part); before, by its cosine with the sum of the sponsors' latest updates or, if larger, with `direction`."""
+    def _worths(self, samples: Tensor, direction: Along | None = None) -> list[tuple[float, float]]:
+        """(v, keep) of each row of `samples`: a proposal's value and the share of a graduate's step to relay: once
+        we know theta's recent moves, by the cosine of its part outside them with `direction` (our pseudo-gradient
+        of its phase, the same part); before, by its cosine with the sum of the sponsors' latest updates or, if
+        larger, with `direction`."""
         if self.self_id not in self._latest:
-            return 0.0, 0.0  # no work of our own yet to judge by
+            return [(0.0, 0.0)] * samples.shape[0]  # no work of our own yet to judge by
         if self._basis is None:
             latest = list(self._latest.values())  # the length: one update's, not the sum's
             self._basis = along(torch.stack(latest).sum(0)), sum(float(x.norm()) for x in latest) / len(latest)
@@ -332,8 +337,8 @@ class Sponsorship:
         if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
             length = min(length, self._own_length)
         if self._fresh:  # only what is new is worth anything: an echo of theta's recent moves is not
-            return worth(without(sample.clone(), self._fresh), (direction,), length, GRADUATE_SHARE, PROVEN)
-        return worth(sample, (basis, direction), length, GRADUATE_SHARE, PROVEN)
+            return worths(samples, self._fresh, (direction,), length, GRADUATE_SHARE, PROVEN)
+        return worths(samples, [], (basis, direction), length, GRADUATE_SHARE, PROVEN)
 
 
 def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:

@@ -34,8 +34,31 @@ def worth(sample: Tensor, directions: tuple[Along | None, ...], length: float, s
     """(v, keep) of a proposal's `sample` (see the module docstring); `v` is 0 for a cosine under `floor` (many
     proposals each judged a little sum to a full share), `keep` is not (a graduate's work is judged one at a time)."""
     norm = float(sample.norm())
-    cos = max((cosine(sample, norm, d) for d in directions), default=-math.inf)
+    return worth_of(max((cosine(sample, norm, d) for d in directions), default=-math.inf), norm, length, share,
+                    floor)
+
+
+def worth_of(cos: float, norm: float, length: float, share: float, floor: float = 0.0) -> tuple[float, float]:
+    """`worth` from a proposal's best cosine `cos` and its sample's `norm` (a sponsor that judges a phase's
+    proposals at once computes those for all of them in one product)."""
     if not math.isfinite(cos):
         return 0.0, 0.0
     capped = min(1.0, length / norm)
     return (min(1.0, cos) * capped if cos >= max(floor, 0.0) else 0.0), (share * capped if cos > 0 else 0.0)
+
+
+def worths(samples: Tensor, fresh: list[Tensor], directions: tuple[Along | None, ...], length: float, share: float,
+           floor: float = 0.0) -> list[tuple[float, float]]:
+    """`worth` of each row of `samples` without its components along the orthonormal `fresh` (what is no longer
+    new, sync/echoes.py), in a few matrix products for the whole batch: a sponsor judges a phase's proposals at
+    once, and one Python-level call per proposal and direction was most of what judging cost on small models."""
+    if fresh:
+        basis = torch.stack(fresh)
+        samples = samples - (samples @ basis.T) @ basis
+    norms = samples.norm(dim=1).tolist()
+    best = [-math.inf] * len(norms)
+    for d in directions:
+        if d is not None:
+            dots = (samples @ d[0]).tolist()
+            best = [max(b, dot / (norm * d[1])) for b, dot, norm in zip(best, dots, norms)]
+    return [worth_of(cos, norm, length, share, floor) for cos, norm in zip(best, norms)]

@@ -195,3 +195,26 @@ def test_the_window_finds_exactly_the_near_copies_a_loop_over_its_entries_finds(
         assert window.seen == naive
         assert window.near(query, 0.9) == [i for i, seen in enumerate(naive)
                                            if abs(float(torch.dot(seen.unit, query))) >= 0.9]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 12), st.lists(st.integers(-1, 30), min_size=1, max_size=12), st.integers(0, 2**16))
+def test_nears_of_a_batch_are_what_near_finds_as_each_is_appended_in_turn(old: int, batch: list[int],
+                                                                           seed: int) -> None:
+    """A sponsor judges a phase's proposals at once (`Window.nears`): for each, the entries near it once every one
+    before it is in the window, as one call of `near` per proposal after appending the ones before finds them.
+    Batches mix fresh units (-1) and near copies of an earlier entry or an earlier unit of the batch."""
+    g = torch.Generator().manual_seed(seed)
+    window, units = Window(), []
+    for i in range(old):
+        window.append(Seen(unit_of(torch.randn(16, generator=g)), float(i), None))  # type: ignore[arg-type]
+    for pick in batch:
+        pool = [s.unit for s in window.seen] + units
+        base = pool[pick % len(pool)] if pick >= 0 and pool else torch.randn(16, generator=g)
+        unit = unit_of(base + 0.05 * torch.randn(16, generator=g))
+        assert unit is not None
+        units.append(unit)
+    found = window.nears(torch.stack(units), 0.9)
+    for unit, nearby in zip(units, found):
+        assert nearby == window.near(unit, 0.9)
+        window.append(Seen(unit, 0.0, None))

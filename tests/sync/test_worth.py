@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.sync.worth import along, cosine, worth
+from p2p_diloco.sync.echoes import orthonormal, without
+from p2p_diloco.sync.worth import along, cosine, worth, worths
 
 DIM = 64
 SHARE = 0.25
@@ -54,3 +56,21 @@ def test_under_the_floor_work_earns_no_share_but_a_graduates_is_still_carried() 
     v, keep = worth(slight, (along(d),), 10.0, SHARE, floor=0.1)
     assert v == 0.0 and keep > 0
     assert worth(slight, (along(d),), 10.0, SHARE)[0] > 0  # no floor: a little
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 3), st.integers(1, 9), st.floats(0.0, 0.3))
+def test_a_batch_is_judged_as_each_proposal_would_be_alone(seed: int, moves: int, rows: int, floor: float) -> None:
+    """`worths` (a phase's proposals in a few products) against `worth` of each without the recent moves, one at a
+    time: the same values. Some rows lie along the moves (an echo: its new part is small)."""
+    g = torch.Generator().manual_seed(seed)
+    fresh = orthonormal([torch.randn(DIM, generator=g) for _ in range(moves)])
+    d, sponsors = along(torch.randn(DIM, generator=g)), along(torch.randn(DIM, generator=g))
+    samples = torch.randn(rows, DIM, generator=g)
+    if fresh:
+        samples[0] = fresh[0] * 3 + 0.1 * samples[0]
+    for directions in ((d,), (sponsors, d), (None,)):
+        batch = worths(samples, fresh, directions, 2.0, SHARE, floor)
+        for row, got in zip(samples, batch):
+            want = worth(without(row.clone(), fresh), directions, 2.0, SHARE, floor)
+            assert got == pytest.approx(want, abs=1e-5)
