@@ -21,6 +21,9 @@ tampering modes, including those designed against the copy test and the norm bou
                     payloads are near copies (|cos| ~ ECHO_COSINE ** 2)
     echo_source     the same with the copied update itself as `along`: an echo of one published update (a
                     sponsor's, when the crowd copies a sponsor) with enough noise to pass the copy rule
+    echo_soft       echo_source at cosine SOFT_COSINE, built against the sponsors' echo test (sync/sponsorship.py
+                    ECHO_OF): most of its new parts pass under it (the cosine of a sweep from 0.3 to 0.9 that cost
+                    the sponsors most)
     mixed           sign_flip and scale alternating (identity i: i % 2)
     mixed_adaptive  near_copy, near_copy_pos, scale_bound and noise_shaped in turn (identity i: i % 4)
 
@@ -43,10 +46,12 @@ BOUND_MARGIN = 0.98
 """What fraction of the norm bound a bounded payload reaches (the codec's rounding must not carry it over)."""
 ECHO_COSINE = 0.9
 """`echo_noise`'s cosine with the swarm's recent move."""
+SOFT_COSINE = 0.6
+"""`echo_soft`'s cosine with the update it echoes."""
 MIXES = {"mixed": ("sign_flip", "scale"),
          "mixed_adaptive": ("near_copy", "near_copy_pos", "scale_bound", "noise_shaped")}
 MODES = ("sign_flip", "scale", "copy", "noise", "noise_shaped", "near_copy", "near_copy_pos", "scale_bound",
-         "echo_noise", "echo_source", *MIXES)
+         "echo_noise", "echo_source", "echo_soft", *MIXES)
 
 
 def mode_of(mode: str, identity: int) -> str:
@@ -76,7 +81,8 @@ def crowd_delta(mode: str, d: Tensor, *, factor: float, bound: float, rng: torch
         order = torch.randperm(d.numel(), generator=rng)
         signs = torch.randint(0, 2, (d.numel(),), generator=rng, dtype=d.dtype) * 2 - 1
         return d.abs()[order] * signs
-    if mode == "echo_source":
+    cosine = SOFT_COSINE if mode == "echo_soft" else ECHO_COSINE
+    if mode in ("echo_source", "echo_soft"):
         mode, along = "echo_noise", d
     if mode == "echo_noise":
         noise = torch.randn(d.numel(), generator=rng)
@@ -85,7 +91,7 @@ def crowd_delta(mode: str, d: Tensor, *, factor: float, bound: float, rng: torch
             return _bounded(noise * (length / noise.norm()), bound)
         s = along / along_norm
         noise = noise - torch.dot(noise, s) * s
-        x = ECHO_COSINE * s + math.sqrt(1 - ECHO_COSINE ** 2) * noise / noise.norm()
+        x = cosine * s + math.sqrt(1 - cosine ** 2) * noise / noise.norm()
         return _bounded(x * length, bound)
     if mode not in ("near_copy", "near_copy_pos", "scale_bound"):
         raise ValueError(f"{mode!r} is not a plain crowd mode")

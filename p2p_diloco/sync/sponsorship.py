@@ -19,29 +19,24 @@ needs nothing more, and no verdict can arrive "late". The price: proposals enter
 later (one more round of staleness), and a sponsor spends one parameter-sized float32 buffer on them.
 
 How a sponsor judges (FLTrust's rule, Cao et al. 2021, with the founders' work as the root data), at the end of
-the phase the proposal merged in: the cosine of the proposal with the sum of every sponsor's latest update (its own
-included: with a file shard per unit one unit's direction is mostly its own files, the sponsors' sum is what they
-share) or, if larger, with the sponsor's pseudo-gradient of that phase (a proposer rebases onto what merges while it
-trains, so its work is often the round's beside the sponsor's, which points nearly across the round before:
-BENCHMARKS "What a proposal points along"), on the copy window's sampled coordinates,
-floored at 0, scaled down when the proposal is longer than the sponsors' updates are on average, `v = max(0, cos) *
-min(1, mean_s |u_s| / |u|)` (against the sum's length, x5 work clipped at the norm bound was relayed at up to three
-updates' length: +8.3% loss from 3 such identities), and 0 for a proposal that is a near copy (|cos| >= NEAR_COPY)
-of another author's update merged this round or the last and dated before it (by its herald, sync/heralds.py; one
-dated after it that took the credit first gives it over): a crowd re-signing honest work with noise adds nothing, a
-graduate's copy included (its work is in already: relayed again as a member's, 10 graduated copiers would relay one
-update 10 times), and a proposal that lost such a race keeps its record. With a file shard per unit honest work
-points less along the sponsors' late in a run (BENCHMARKS "Can a paired loss change tell honest work from an
-attack?"): denial, not poisoning. The values go into the sponsor's signed header (`vouches`; `earned`).
+the phase the proposal merged in: the cosine of the proposal with the sum of every sponsor's latest update or, if
+larger, with the sponsor's pseudo-gradient of that phase (a proposer rebases onto what merges while it trains:
+BENCHMARKS "What a proposal points along"), on the copy window's sampled coordinates, floored at 0, scaled down
+when the proposal is longer than a sponsor's update, `v = max(0, cos) * min(1, mean_s |u_s| / |u|)`, and 0 for a
+near copy (|cos| >= NEAR_COPY) of another author's update merged this round or the last and dated before it (by
+its herald, sync/heralds.py; one dated after it that took the credit first gives it over): a crowd re-signing
+honest work adds nothing, a graduate's copy included, and a proposal that lost such a race keeps its record. With a
+file shard per unit honest work points less along the sponsors' late in a run: denial, not poisoning. The values
+go into the sponsor's signed header (`vouches`; `earned`).
 
 **Echoes.** Before it signs, a sponsor removes from what it relays every component along theta's moves over its
 last ECHO phases (sync/echoes.py): they are merged already, and a proposal that echoes them would move theta along
 them a second time. It judges by what is new too: once it knows those moves, a proposal's cosine is that of its
-part outside their span with the same part of the sponsor's own work of the phase (which no one has seen yet),
-and one under PROVEN counts as 0 (many proposals of noise each judged a little summed to a full share). Else a
-crowd with no compute echoes published work with its own noise, at a cosine just under the copy rule's: 100
-identities echoing a sponsor's update graduated and cost +84.7% (BENCHMARKS "Echo crowds"). Each sponsor's latest
-update in the span too stopped that echo entirely but kept honest volunteers from graduating for 4-7 updates.
+part outside their span with the same part of the sponsor's own work of the phase (which no one has seen yet);
+one under PROVEN counts as 0 (many proposals of noise each judged a little summed to a full share), and one whose
+new part is near (ECHO_OF) that of a sponsor's latest update is an echo of it and counts as 0. Else a crowd with
+no compute echoes published work with its own noise: 100 identities echoing a sponsor's update graduated and cost
++84.7%, +6.1% with the span alone (BENCHMARKS "Echo crowds", "Echoes of one update").
 
 **Graduation.** One share for all newcomers would leave an honest volunteer's work at a fraction for ever. So
 a sponsor that judged an author's last RECORD proposals useful (each `v >= PROVEN`, its own verdicts or another
@@ -63,7 +58,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
-from p2p_diloco.sync.echoes import moves_at, orthonormal, without, without_echoes
+from p2p_diloco.sync.echoes import echoing, moves_at, orthonormal, without, without_echoes
 from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
 from p2p_diloco.sync.relayed import NOTHING, Relayed, add_step
 from p2p_diloco.sync.worth import Along, along, worths
@@ -80,12 +75,12 @@ RECORD = 2
 """Consecutive useful proposals after which a sponsor relays an author's work as a member's (graduation)."""
 GRADUATE_SHARE = 0.25
 """The share of a graduate's step a sponsor relays (times `keep`, over S). Not 1: a proposer's own replica never
-merges its update (weight 0), so its next phase starts without it and re-does part of that work; relaying all
-of it counts that part twice. Measured (BENCHMARKS "Graduation", 3 sponsors and 3 honest graduates, against the
-same run with no graduation): `test` +4.6% at 1, -2.2% at 0.5, -0.5% at 0.25; `tiny` +2.0% at 0.5, -1.3% at
-0.25. 0.25 is the largest share that did not make an honest run worse on either. Since a sponsor removes its
-recent moves from what it relays (sync/echoes.py), much of that double count is gone on `test` (1: -1.7%) but not on
-`tiny` (0.5: +1.0%, 1: +6.8% against 0.25: BENCHMARKS "Echoes")."""
+merges its update (weight 0), so its next phase re-does part of that work; relaying all of it counts that part
+twice. The largest share that made no honest run worse (BENCHMARKS "Graduation": `test` +4.6% at 1, -0.5% at 0.25;
+`tiny` +2.0% at 0.5, -1.3% at 0.25; since the echo removal, `tiny` 1: +6.8% against 0.25, BENCHMARKS "Echoes")."""
+ECHO_OF = 0.5
+"""|cos| of a proposal's new part with a sponsor's latest update's at which it is an echo of it (honest ones: <= 0.37,
+an echo at cosine 0.9 with the update: >= 0.52 in 99%; BENCHMARKS "Echoes of one update")."""
 MAX_PENDING = 64
 """Proposals a sponsor holds for judging at its phase's end (references to payloads); more are judged on merging."""
 PROVEN = 0.1
@@ -337,7 +332,10 @@ class Sponsorship:
         if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
             length = min(length, self._own_length)
         if self._fresh:  # only what is new is worth anything: an echo of theta's recent moves is not
-            return worths(samples, self._fresh, (direction,), length, GRADUATE_SHARE, PROVEN)
+            # Only the sponsors' updates: honest proposals of one phase share what none of them has merged yet,
+            # and their new parts are as near each other (up to 0.82) as an echo's is to its source's.
+            echoes = echoing(samples, self._fresh, torch.stack(list(self._latest.values())), ECHO_OF)
+            return worths(samples, self._fresh, (direction,), length, GRADUATE_SHARE, PROVEN, echoes)
         return worths(samples, [], (basis, direction), length, GRADUATE_SHARE, PROVEN)
 
 

@@ -48,10 +48,11 @@ def worth_of(cos: float, norm: float, length: float, share: float, floor: float 
 
 
 def worths(samples: Tensor, fresh: list[Tensor], directions: tuple[Along | None, ...], length: float, share: float,
-           floor: float = 0.0) -> list[tuple[float, float]]:
+           floor: float = 0.0, echoes: list[bool] | None = None) -> list[tuple[float, float]]:
     """`worth` of each row of `samples` without its components along the orthonormal `fresh` (what is no longer
     new, sync/echoes.py), in a few matrix products for the whole batch: a sponsor judges a phase's proposals at
-    once, and one Python-level call per proposal and direction was most of what judging cost on small models."""
+    once, and one Python-level call per proposal and direction was most of what judging cost on small models.
+    A row marked in `echoes` (an echo of published work: sync/echoes.py `echoing`) is worth (0, 0)."""
     if fresh:
         basis = torch.stack(fresh)
         samples = samples - (samples @ basis.T) @ basis
@@ -61,4 +62,5 @@ def worths(samples: Tensor, fresh: list[Tensor], directions: tuple[Along | None,
         if d is not None:
             dots = (samples @ d[0]).tolist()
             best = [max(b, dot / (norm * d[1])) for b, dot, norm in zip(best, dots, norms)]
-    return [worth_of(cos, norm, length, share, floor) for cos, norm in zip(best, norms)]
+    echoes = echoes or [False] * len(norms)
+    return [(0.0, 0.0) if e else worth_of(cos, norm, length, share, floor) for cos, norm, e in zip(best, norms, echoes)]

@@ -112,3 +112,14 @@ def test_echo_noise_points_along_the_swarms_move_and_no_two_identities_are_near_
     bound = 0.5 * float(a.abs().max())
     assert float(crowd_delta("echo_noise", d, factor=1.0, bound=bound, rng=rng, along=along).abs().max()) \
         <= BOUND_MARGIN * bound + 1e-6
+
+
+def test_echo_soft_echoes_the_update_itself_at_its_softer_cosine() -> None:
+    """`echo_soft`, built against the sponsors' echo test: `echo_source` at SOFT_COSINE with the update it copies."""
+    from p2p_diloco.sim.crowd_attacks import SOFT_COSINE
+
+    rng = torch.Generator().manual_seed(2)
+    d = torch.randn(4096, generator=rng)
+    a, b = (crowd_delta("echo_soft", d, factor=1.0, bound=float("inf"), rng=rng) for _ in range(2))
+    assert _cos(a, d) == pytest.approx(SOFT_COSINE, abs=1e-4) and _cos(b, d) == pytest.approx(SOFT_COSINE, abs=1e-4)
+    assert float(a.norm()) == pytest.approx(float(d.norm()), rel=1e-5) and abs(_cos(a, b)) < 0.5

@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_replica import DIM, MAX_WEIGHT, OUTER_LR, FnCodec, decode, theta0
 
 from p2p_diloco.config import OuterConfig
+from p2p_diloco.sync import sponsorship as sponsorship_module
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.sponsorship import PROVEN, Relayed, Sponsorship
 from p2p_diloco.sync.standing import Standing
@@ -333,3 +335,52 @@ def test_an_echo_of_the_swarms_move_with_its_own_noise_is_worth_nothing_and_new_
         old.merged(author, 1, 0.1 * work, 0.1 * work, at=at)
     old.judge(0.1 * own)
     assert min(old.judged[("echo1", 1)][0], old.judged[("echo2", 1)][0]) > 0.5
+
+
+def _async_rounds(s: Sponsorship, g: torch.Generator, dim: int = 1024) -> tuple[torch.Tensor, ...]:
+    """Four rounds at sponsor s1 of an async run: s2 publishes each round's work, s3 runs a round behind, so theta's
+    move over a phase mixes rounds and its span keeps part of this round's common direction out. (theta, our work
+    of the round, s2's update of the round, the round's common direction.)"""
+    at = torch.arange(dim)
+    theta, source = torch.zeros(dim), torch.zeros(dim)
+    rounds = [0.6 * torch.randn(dim, generator=g) for _ in range(5)]  # what a round's gradients have in common
+    for seq in range(1, 5):
+        for sponsor, shared in (("s2", rounds[seq]), ("s3", rounds[seq - 1])):
+            u = shared + torch.randn(dim, generator=g)
+            s.merged(sponsor, seq, 0.1 * u, 0.1 * u, at=at, now=float(seq))
+            theta -= 0.1 * u
+            if sponsor == "s2":
+                source = u
+        own = rounds[seq] + torch.randn(dim, generator=g)  # ours of this round, merged when we publish it
+        s.merged("s1", seq, 0.1 * own, 0.1 * own, at=at, now=float(seq))
+        if seq < 4:
+            s.relay(theta.clone(), current=0.1 * own)
+            theta -= 0.1 * own
+    return theta, own, source, rounds[4]
+
+
+@pytest.mark.parametrize("echo_of", [sponsorship_module.ECHO_OF, 1.01])
+def test_an_echo_of_one_sponsors_update_is_worth_nothing_and_work_of_the_same_round_is_not_one(
+        monkeypatch: pytest.MonkeyPatch, echo_of: float) -> None:
+    """A crowd echoes one sponsor's published update with its own noise, at cosine 0.9 (sim/crowd_attacks.py
+    `echo_source`). The span of theta's moves keeps part of the round's common direction out (`_async_rounds`), so
+    the echo's new part points along the judge's work of the round: judged by direction alone it passes (ECHO_OF
+    off: 1.01). Its new part is near that of the update it echoes: worth nothing. A volunteer's work of the same
+    round is not near it."""
+    from p2p_diloco.sim.crowd_attacks import crowd_delta
+
+    monkeypatch.setattr(sponsorship_module, "ECHO_OF", echo_of)
+    s = Sponsorship(("s1", "s2", "s3"), self_id="s1")
+    g = torch.Generator().manual_seed(11)
+    theta, own, source, shared = _async_rounds(s, g)
+    echoes = [crowd_delta("echo_source", source, factor=1.0, bound=float("inf"), rng=g) for _ in range(3)]
+    beside = shared + torch.randn(len(theta), generator=g)  # a volunteer's work of this round
+    for i, work in enumerate([*echoes, beside]):
+        s.merged(f"p{i}", 1, 0.1 * work, 0.1 * work, at=torch.arange(len(theta)), now=4.5)
+    s.relay(theta.clone(), current=0.1 * own)
+    values = [s.judged[(f"p{i}", 1)][0] for i in range(4)]
+    assert values[3] > 0.15, values  # valued as before
+    if echo_of <= 1:
+        assert values[:3] == [0.0, 0.0, 0.0], values
+    else:
+        assert min(values[:3]) >= PROVEN, values  # what the echo test is there for

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.sync.echoes import orthonormal, without
+from p2p_diloco.sync.echoes import echoing, orthonormal, without
 from p2p_diloco.sync.worth import along, cosine, worth, worths
 
 DIM = 64
@@ -74,3 +74,21 @@ def test_a_batch_is_judged_as_each_proposal_would_be_alone(seed: int, moves: int
         for row, got in zip(samples, batch):
             want = worth(without(row.clone(), fresh), directions, 2.0, SHARE, floor)
             assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_row_whose_new_part_is_near_a_published_ones_is_an_echo_worth_nothing() -> None:
+    """`echoing`: a proposal whose part outside the recent moves is near (|cos| >= 0.5) the same part of a published
+    update is an echo, negated or not, a recent move added or not; one that is not near is not; `worths` gives an
+    echo (0, 0)."""
+    g = torch.Generator().manual_seed(5)
+    fresh = orthonormal([torch.randn(DIM, generator=g)])
+    d = along(torch.randn(DIM, generator=g))
+    update = torch.randn(DIM, generator=g)
+    echo = 0.9 * update / update.norm() + 0.3 * torch.randn(DIM, generator=g) / DIM ** 0.5
+    other = torch.randn(DIM, generator=g)
+    rows = torch.stack([echo, -echo, other, fresh[0] * 5 + echo])
+    marks = echoing(rows, fresh, update[None], 0.5)
+    assert marks == [True, True, False, True]
+    got = worths(rows, fresh, (d,), 2.0, SHARE, 0.0, marks)
+    assert got[0] == got[1] == got[3] == (0.0, 0.0)
+    assert got[2] == worths(rows[2:3], fresh, (d,), 2.0, SHARE)[0]
