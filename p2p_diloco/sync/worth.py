@@ -26,7 +26,9 @@ def along(direction: Tensor) -> Along | None:
 
 def cosine(sample: Tensor, norm: float, direction: Along | None) -> float:
     """The cosine of `sample` (length `norm`) with `direction`; -inf with none."""
-    return -math.inf if direction is None else float(torch.dot(sample, direction[0])) / (norm * direction[1])
+    if direction is None or not norm > 0:  # nothing new in it (all along theta's recent moves): no direction
+        return -math.inf
+    return float(torch.dot(sample, direction[0])) / (norm * direction[1])
 
 
 def worth(sample: Tensor, directions: tuple[Along | None, ...], length: float, share: float,
@@ -52,15 +54,20 @@ def worths(samples: Tensor, fresh: list[Tensor], directions: tuple[Along | None,
     """`worth` of each row of `samples` without its components along the orthonormal `fresh` (what is no longer
     new, sync/echoes.py), in a few matrix products for the whole batch: a sponsor judges a phase's proposals at
     once, and one Python-level call per proposal and direction was most of what judging cost on small models.
-    A row marked in `echoes` (an echo of published work: sync/echoes.py `echoing`) is worth (0, 0)."""
+    A row marked in `echoes` (an echo of published work: sync/echoes.py `echoing`), or with nothing outside `fresh`,
+    is worth (0, 0)."""
+    whole = samples.norm(dim=1)
     if fresh:
         basis = torch.stack(fresh)
         samples = samples - (samples @ basis.T) @ basis
-    norms = samples.norm(dim=1).tolist()
+    new = samples.norm(dim=1)
+    # Nothing new: a proposal along theta's recent moves only (theta's own move, sent back) keeps a part of float
+    # rounding, whose direction is noise: worth nothing, not a cosine read off that noise.
+    echoes = [e or bool(n) for e, n in zip(echoes or [False] * len(new), (new <= 1e-4 * whole).tolist())]
+    norms = new.tolist()
     best = [-math.inf] * len(norms)
     for d in directions:
         if d is not None:
             dots = (samples @ d[0]).tolist()
-            best = [max(b, dot / (norm * d[1])) for b, dot, norm in zip(best, dots, norms)]
-    echoes = echoes or [False] * len(norms)
+            best = [max(b, dot / (norm * d[1])) if norm > 0 else b for b, dot, norm in zip(best, dots, norms)]
     return [(0.0, 0.0) if e else worth_of(cos, norm, length, share, floor) for cos, norm, e in zip(best, norms, echoes)]

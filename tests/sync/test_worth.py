@@ -92,3 +92,17 @@ def test_a_row_whose_new_part_is_near_a_published_ones_is_an_echo_worth_nothing(
     got = worths(rows, fresh, (d,), 2.0, SHARE, 0.0, marks)
     assert got[0] == got[1] == got[3] == (0.0, 0.0)
     assert got[2] == worths(rows[2:3], fresh, (d,), 2.0, SHARE)[0]
+
+
+def test_a_proposal_with_nothing_new_in_it_is_worth_nothing_and_raises_nothing() -> None:
+    """A proposal lying exactly in the span of theta's recent moves (a hostile peer can send theta's own move) has a
+    zero new part: worth (0, 0), one at a time or in a batch, never a division by zero."""
+    g = torch.Generator().manual_seed(9)
+    move = torch.randn(DIM, generator=g)
+    fresh = orthonormal([move.clone()])
+    d = along(torch.randn(DIM, generator=g))
+    exact = fresh[0] * 3.0  # exactly along the move: its new part is 0.0 in every coordinate
+    assert worth(torch.zeros(DIM), (d,), 2.0, SHARE) == (0.0, 0.0)
+    assert worths(torch.stack([exact, torch.zeros(DIM)]), fresh, (d,), 2.0, SHARE) == [(0.0, 0.0), (0.0, 0.0)]
+    assert worths(exact[None], [], (along(exact),), 2.0, SHARE)[0][0] > 0.5  # with nothing known as old, it is new
+    assert len(echoing(torch.stack([exact]), fresh, move[None], 0.5)) == 1  # float noise either way: no error
