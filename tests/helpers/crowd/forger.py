@@ -30,6 +30,8 @@ from p2p_diloco.wire.identity import Identity
 
 POLL_S = 0.05
 """How often the forger looks for new updates of the copied peer in its replica."""
+MISSING_POLLS = 40
+"""Polls (2 s) an update merged here may be missing from the store before the forger skips it."""
 
 
 class Forger:
@@ -44,7 +46,7 @@ class Forger:
         self.seqs = [0] * size
         self.rng = torch.Generator().manual_seed(seed)
         self.copied = 0  # source updates copied (or skipped)
-        self.skipped = 0  # source updates not copied: the source was more than one ahead
+        self.skipped = 0  # source updates not copied: the source was more than one ahead, or not in the store
         self.published = 0  # forged updates published
         self.heralds = 0  # heralds the sponsors accepted
         self.error: BaseException | None = None
@@ -115,6 +117,7 @@ class Forger:
             self._ready.set()
             for peer in self.honest:  # pull at once: anti-entropy and the pulls back do the rest
                 await gossip.request_pull(peer)
+            missing = 0  # polls the next update to copy was merged here but not in the store
             while not self._stop.is_set():
                 held = replica.version_vector.get(self.source)
                 if held - self.copied > 1:  # it copies what is current, as the simulator's crowd does: a copy of
@@ -122,9 +125,14 @@ class Forger:
                     self.copied = held - 1
                 while self.copied < held and not self._stop.is_set():
                     update = gossip.store.get(self.source, self.copied + 1)
-                    if update is None:  # merged, but no longer stored: skip it
-                        self.copied += 1
+                    if update is None:  # merged but not stored yet (the merge runs off the loop, the store on
+                        # it, after it), or no longer stored: wait a few polls, then skip it, counted as skipped
+                        missing += 1
+                        if missing < MISSING_POLLS:
+                            break
+                        self.copied, self.skipped, missing = self.copied + 1, self.skipped + 1, 0
                         continue
+                    missing = 0
                     await self._forge(update, gossip, node, replica, codec, bound)
                     self.copied += 1
                 with contextlib.suppress(asyncio.TimeoutError):
