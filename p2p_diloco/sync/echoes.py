@@ -61,15 +61,21 @@ def without(x: Tensor, basis: list[Tensor]) -> Tensor:
     return x
 
 
+def new_parts(rows: Tensor, fresh: list[Tensor]) -> Tensor:
+    """Each row of `rows` without its components along the orthonormal `fresh` (`without`, for a batch at once)."""
+    if not fresh:
+        return rows
+    basis = torch.stack(fresh)
+    return rows - (rows @ basis.T) @ basis
+
+
 def echoing(samples: Tensor, fresh: list[Tensor], published: Tensor, near: float) -> list[bool]:
     """Which rows of `samples` echo a row of `published`: the |cosine| of their parts outside the span of the
     orthonormal `fresh` (what is no longer new) is at least `near`. A crowd with no compute signs a published update
     plus its own noise; what is new in it is what was new in that update (sync/sponsorship.py ECHO_OF)."""
     if not len(published) or not len(samples):
         return [False] * len(samples)
-    if fresh:
-        basis = torch.stack(fresh)
-        samples, published = (x - (x @ basis.T) @ basis for x in (samples, published))
+    samples, published = new_parts(samples, fresh), new_parts(published, fresh)
     published = published / published.norm(dim=1, keepdim=True).clamp_min(1e-30)
     cos = (samples @ published.T).abs() / samples.norm(dim=1, keepdim=True).clamp_min(1e-30)
     hits: list[bool] = (cos >= near).any(1).tolist()

@@ -167,8 +167,8 @@ class Window:
         among = ((units @ units.T).abs() >= near).tril(-1)  # row j against the rows appended before it
         hits = torch.cat([(units @ rows[:old].T).abs() >= near, among], 1) if rows is not None and old else among
         out: list[list[int]] = [[] for _ in range(units.shape[0])]
-        for j, i in torch.nonzero(hits).tolist():  # row-major: each row's entries ascending, as `near` gives them
-            out[j].append(i if rows is not None and old else old + i)
+        for j, i in torch.nonzero(hits).tolist():  # column i is window entry i; row-major: ascending, as `near`
+            out[j].append(i)
         return out
 
 

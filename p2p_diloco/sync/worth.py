@@ -14,6 +14,8 @@ import math
 import torch
 from torch import Tensor
 
+from p2p_diloco.sync.echoes import new_parts
+
 Along = tuple[Tensor, float]
 """A direction to judge by, with its length (computed once, then used for every proposal of a phase)."""
 
@@ -57,9 +59,7 @@ def worths(samples: Tensor, fresh: list[Tensor], directions: tuple[Along | None,
     A row marked in `echoes` (an echo of published work: sync/echoes.py `echoing`), or with nothing outside `fresh`,
     is worth (0, 0)."""
     whole = samples.norm(dim=1)
-    if fresh:
-        basis = torch.stack(fresh)
-        samples = samples - (samples @ basis.T) @ basis
+    samples = new_parts(samples, fresh)
     new = samples.norm(dim=1)
     # Nothing new: a proposal along theta's recent moves only (theta's own move, sent back) keeps a part of float
     # rounding, whose direction is noise: worth nothing, not a cosine read off that noise.
