@@ -11,7 +11,9 @@ of them. In a run with sponsors:
   values of one update summing to at most 1, `t` = their sum / S. Proposals displace a part of the sponsors' own
   work rather than add to it (adding one more share a round cost +5% loss even when it was an honest
   volunteer's: a longer outer step), and all of them together weigh at most one sponsor's update per sponsor
-  round, however many identities bring them: K identities split one share.
+  round, however many identities bring them: K identities split one share. Within it, a proposal's work is
+  relayed at `v(u)` over how crowded its direction already is (sync/relayed.py "Crowding"): k echoes of one
+  proposal carry about one's worth.
 
 Why relay rather than re-weight: the weight of everything merged is then a function of the update alone (0, or a
 sponsor's probation by seq), so replicas that merged the same updates are equal as before, a joiner's snapshot
@@ -50,6 +52,7 @@ its record.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -58,9 +61,9 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
-from p2p_diloco.sync.echoes import echoing, moves_at, orthonormal, without, without_echoes
+from p2p_diloco.sync.echoes import echoing, moves_at, new_parts, orthonormal, without, without_echoes
 from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
-from p2p_diloco.sync.relayed import NOTHING, Relayed, add_step
+from p2p_diloco.sync.relayed import NOTHING, Carry, Relayed
 from p2p_diloco.sync.worth import Along, along, worths
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
@@ -121,14 +124,10 @@ class Sponsorship:
         self.heralds = Heralds()  # at a sponsor: when each proposal was first heard of (sync/heralds.py)
         self._now = 0.0  # the latest date given to `merged`
         self._disowned: OrderedDict[tuple[str, int], bool] = OrderedDict()  # near copies whose credit was taken back
-        self._relay: Tensor | None = None  # sum of v(u) * step(u) of proposals, in theta's units
-        self._full: Tensor | None = None  # sum of keep(u) * step(u) of graduates' proposals
-        self._carried = 0.0
+        self._carry = Carry()  # what our next update relays, gathered as we judge (sync/relayed.py)
         self._at: Tensor | None = None  # the sampled coordinates (the copy window's) the samples were taken at
         self._relayed_at: Tensor | None = None  # what our last update relayed, theta's units, at `at`
         self._own_length = 0.0  # our own last step's length at `at`, without what it relayed
-        self._values: list[tuple[bytes, float]] = []  # proposals relayed at a share
-        self._graded: list[tuple[bytes, float]] = []  # graduates' proposals judged
         self._snapshots: list[Tensor] = []  # at a sponsor: theta at its last ECHO relays, newest first
         self._pending: list[Pending] = []  # at a sponsor: proposals merged this phase, not judged yet
         self._fresh: list[Tensor] = []  # theta's moves at our last relay, sampled, orthonormal: echoes (`_value`)
@@ -226,16 +225,14 @@ class Sponsorship:
         graduate = self.graduated(author, before=seq)
         value, keep = judged or self._worths(sample[None], direction)[0]
         _bounded(self.judged, (author, seq), (value, keep if graduate else 0.0))
+        carry = self._carry
         if graduate:
             if keep > 0 and not displaced:
                 _bounded(self.relayed, author, self.relayed.get(author, 0.0) + keep / len(self.sponsors))
-                self._full = add_step(self._full, step, factor * keep)
-                self._carried += factor * keep
-            if len(self._graded) < MAX_VOUCHES and not displaced:  # what its header can list
-                self._graded.append((key, value))
-        elif value > 0 and not displaced and len(self._values) < MAX_VOUCHES:
-            self._relay = add_step(self._relay, step, factor * value)
-            self._values.append((key, value))
+            if len(carry.graded) < MAX_VOUCHES and not displaced:  # what its header can list
+                carry.graduate(key, value, step if keep > 0 else None, factor, keep, self._new_part(sample))
+        elif value > 0 and not displaced and len(carry.proposals) < MAX_VOUCHES:
+            carry.propose(key, step, factor, value, self._new_part(sample))
         self._note(author, seq, value)
         self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round))
 
@@ -252,10 +249,8 @@ class Sponsorship:
             _bounded(self.judged, seen.slot, (0.0, 0.0))
             if seq in self._record.get(author, {}):
                 self._record[author][seq] = 0.0
-            lost = slot_key(self.run_id, author, seq)
             if key is not None:
-                self._values = [(key if k == lost else k, v) for k, v in self._values]
-                self._graded = [(key if k == lost else k, v) for k, v in self._graded]
+                self._carry.rename(slot_key(self.run_id, author, seq), key)
 
     def relay(self, theta: Tensor | None = None, current: Tensor | None = None) -> Relayed:
         """What this sponsor's next update carries for the proposals merged since its last one (`Relayed`), judged
@@ -268,22 +263,20 @@ class Sponsorship:
         if theta is not None and self._at is not None and self._snapshots and int(self._at[-1]) < theta.numel():
             self._fresh = orthonormal(moves_at(theta, self._snapshots, self._at))  # what is no longer new
         self.judge(current)
-        relay, full, values, graded = self._relay, self._full, self._values, self._graded
-        carried, sponsors = self._carried, len(self.sponsors)
-        self._relay, self._full, self._values, self._graded = None, None, [], []
+        carry, self._carry, sponsors = self._carry, Carry(), len(self.sponsors)
+        (relay, weights), full = carry.relay(), carry.full
         # The window keeps the round just relayed: a copy that reached us before its original and went out in this
         # relay still gives its credit over when the original comes next round (its work is out: the original's
         # is not relayed again), and a copy of last round's work is still a copy.
         self._window.keep([i for i, seen in enumerate(self._window.seen) if seen.round == self._round])
         self._round += 1
-        self._carried = 0.0
         share = 0.0
-        if relay is not None and values:
-            total = sum(v for _, v in values)
+        if relay is not None and weights:
+            total = sum(weights)  # crowded values: what the work was summed at
             relay.mul_(1.0 / (sponsors * max(1.0, total)))
-            for key, value in values:
+            for (key, *_), weight in zip(carry.proposals, weights):
                 author = self._authors[key][0] if key in self._authors else ""
-                _bounded(self.relayed, author, self.relayed.get(author, 0.0) + value / (sponsors * max(1.0, total)))
+                _bounded(self.relayed, author, self.relayed.get(author, 0.0) + weight / (sponsors * max(1.0, total)))
             share = min(1.0, total) / sponsors
         else:
             relay = None
@@ -294,8 +287,15 @@ class Sponsorship:
             relay, self._snapshots = without_echoes(relay, theta, self._snapshots)
         if relay is not None and self._at is not None and int(self._at[-1]) < relay.numel():
             self._relayed_at = relay[self._at] / (1.0 + share)  # what it will move theta by (`relay_payload`)
-        verdicts = [(k, v) for k, v in graded if v > 0] + sorted(values, key=lambda kv: -kv[1])
-        return Relayed(relay, pack_vouches(verdicts[:MAX_VOUCHES]), share, carried / sponsors)
+        verdicts = [(k, v) for k, v in carry.graded if v > 0] + sorted((p[:2] for p in carry.proposals),
+                                                                       key=lambda kv: -kv[1])
+        return Relayed(relay, pack_vouches(verdicts[:MAX_VOUCHES]), share, carry.carried / sponsors)
+
+    def _new_part(self, sample: Tensor) -> Tensor | None:
+        """`sample`'s part outside theta's recent moves, unit length (None if nothing): what crowding compares."""
+        part = new_parts(sample[None], self._fresh)[0]
+        norm = float(part.norm())
+        return part / norm if norm > 0 and math.isfinite(norm) else None
 
     def vouched(self, sponsor: str, values: Iterable[tuple[bytes, float]]) -> None:
         """A sponsor's update merged here: count what each author's proposals were judged worth (views and

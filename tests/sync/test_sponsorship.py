@@ -16,6 +16,7 @@ from test_replica import DIM, MAX_WEIGHT, OUTER_LR, FnCodec, decode, theta0
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.sync import sponsorship as sponsorship_module
+from p2p_diloco.sync.copies import COPY_SEED
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.sponsorship import PROVEN, Relayed, Sponsorship
 from p2p_diloco.sync.standing import Standing
@@ -66,12 +67,18 @@ def test_proposals_merge_at_zero_and_a_sponsor_relays_one_share_for_all_of_them(
     assert carried == 0.0  # no graduate yet
     values = dict(unpack_vouches(vouches))  # what each proposal is worth, before the one-share scaling
     assert key(negated) not in values and len(values) >= 15
-    total = sum(values.values())
-    assert total > 1.0  # 20 honest proposals: worth more than one share together, and relayed as one
-    expected = sum(values[key(u)] * OUTER_LR * torch.tensor(u.payload) for u in honest
-                   if key(u) in values) / (len(SPONSORS) * total)
-    torch.testing.assert_close(step, expected, rtol=1e-3, atol=1e-6)  # theta's units, 1/S of one share
-    assert abs(share - 1.0 / len(SPONSORS)) < 1e-3  # they displace that much of its own
+    # Each relayed at its value over its crowding (sync/relayed.py): 1 + its positive cosines with the others.
+    relayed = [u for u in honest if key(u) in values]
+    at = torch.randint(0, DIM, (DIM,), generator=torch.Generator().manual_seed(COPY_SEED)).sort().values  # sampled
+    units = [torch.tensor(u.payload)[at] / torch.tensor(u.payload)[at].norm() for u in relayed]
+    weights = [values[key(u)] / sum(max(0.0, float(units[i] @ unit)) for unit in units) for i, u in enumerate(relayed)]
+    assert all(w < values[key(u)] / 2 for w, u in zip(weights, relayed))  # they share `own`: crowded
+    total = sum(weights)
+    assert sum(values.values()) > 1.0  # 20 honest proposals: worth more than one share together, uncrowded
+    expected = sum(w * OUTER_LR * torch.tensor(u.payload) for w, u in zip(weights, relayed)) / (
+        len(SPONSORS) * max(1.0, total))
+    torch.testing.assert_close(step, expected, rtol=1e-3, atol=1e-5)  # theta's units, at most 1/S of one share
+    assert abs(share - min(1.0, total) / len(SPONSORS)) < 1e-4  # they displace that much of its own
     assert s1.relay() == (None, b"", 0.0, 0.0)  # drained: each proposal is relayed once
 
 
@@ -384,3 +391,36 @@ def test_an_echo_of_one_sponsors_update_is_worth_nothing_and_work_of_the_same_ro
         assert values[:3] == [0.0, 0.0, 0.0], values
     else:
         assert min(values[:3]) >= PROVEN, values  # what the echo test is there for
+
+
+@pytest.mark.parametrize("crowded", [True, False])
+def test_echoes_of_a_volunteers_proposal_carry_about_its_worth_not_the_newcomers_whole_share(
+        monkeypatch: pytest.MonkeyPatch, crowded: bool) -> None:
+    """A crowd with no compute echoes a late volunteer's proposal, each identity with its own noise at cosine 0.9
+    (sim/crowd_attacks.py `echo_source`, dated after it). Each echo points along the judge's work nearly as well
+    as the proposal, and the echo test reads only the sponsors' updates, so by value alone 30 echoes fill the
+    newcomers' share with that one proposal's work (uncrowded: the rule off). Crowded (sync/relayed.py), the
+    proposal and its echoes relay about what the proposal alone would; the proposal's value is unchanged."""
+    from p2p_diloco.sim.crowd_attacks import crowd_delta
+    from p2p_diloco.sync.relayed import Carry
+
+    if not crowded:
+        monkeypatch.setattr(Carry, "weights", lambda self: [p.value for p in self.proposals])
+    relays = []
+    for echoes in (0, 30):
+        s = Sponsorship(("s1", "s2", "s3"), self_id="s1")
+        g = torch.Generator().manual_seed(11)
+        theta, own, _, shared = _async_rounds(s, g)
+        volunteer = shared + torch.randn(len(theta), generator=g)
+        proposals = [volunteer] + [crowd_delta("echo_source", volunteer, factor=1.0, bound=float("inf"), rng=g)
+                                   for _ in range(echoes)]
+        for i, work in enumerate(proposals):
+            s.merged(f"p{i}", 1, 0.1 * work, 0.1 * work, at=torch.arange(len(theta)), now=4.5 + i / 100)
+        relays.append(s.relay(theta.clone(), current=0.1 * own))
+        assert s.judged[("p0", 1)][0] > PROVEN  # the volunteer's work is valued, echoed or not
+    alone, echoed = relays
+    assert 0 < alone.share < 0.5 / 3  # one proposal: its value's part of one sponsor's share
+    if crowded:
+        assert echoed.share < 1.5 * alone.share, (alone.share, echoed.share)
+    else:
+        assert echoed.share > 0.99 / 3, (alone.share, echoed.share)  # the whole share: what the rule is there for
