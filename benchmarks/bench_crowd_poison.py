@@ -86,6 +86,8 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            # built against the sponsors' echo test: a softer echo, and an echo of a late volunteer's updates
            "echo_soft": Attack("echo_soft"), "echo_newcomer": Attack("echo_source", newcomer=True),
            "copy_newcomer": Attack("copy", newcomer=True), "near_copy_newcomer": Attack("near_copy", newcomer=True),
+           # built against crowding (sync/relayed.py): softer echoes of a volunteer's, less near each other
+           "echo_soft_newcomer": Attack("echo_soft", newcomer=True),
            # K more peers that train and publish honestly (WITHHOLD with no seq withheld): the baseline of the
            # train_* rows, as the K take K of the data shards (the honest peers see less data than in the clean run)
            "train_honest": Attack(hostile=Hostility.WITHHOLD),
@@ -107,7 +109,7 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            "train_echo_lag": Attack(factor=0.9999, hostile=Hostility.TILT, lag=2),
            "train_tilt9_lag": Attack(factor=0.9, hostile=Hostility.TILT, lag=2)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive", "echo_noise",
-            "echo_source", "echo_soft", "echo_newcomer",
+            "echo_source", "echo_soft", "echo_newcomer", "echo_soft_newcomer",
             "copy_newcomer", "near_copy_newcomer", "train_honest",
             "train_negate", "train_scale", "train_negate_bound",
             "train_negate_shared", "train_negate_tracked", "train_sleeper", "train_sleeper_scale",
