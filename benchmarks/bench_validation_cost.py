@@ -56,7 +56,9 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> tuple[float, float]
     removal of its last moves from what it relays, sync/sponsorship.py `_fresh`); (all of it, relay() alone)."""
     g = torch.Generator().manual_seed(0)
     direction = torch.randn(numel, generator=g)
-    steps = [direction + torch.randn(numel, generator=g) for _ in range(peers)]  # distinct: none is a near copy
+    # Distinct (none is a near copy), and the proposals' new parts under the echo test's bar (ECHO_OF) with the
+    # sponsors': at 1:1 their cosine is 0.5, every proposal an echo worth nothing, and nothing to relay or time.
+    steps = [direction + (1.0 if i < SPONSORS else 1.5) * torch.randn(numel, generator=g) for i in range(peers)]
     standing = Standing(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, self_id="s0",
                         sponsors=tuple(f"s{i}" for i in range(SPONSORS)))
     sponsorship: Sponsorship = standing.sponsorship

@@ -83,18 +83,14 @@ class Carry:
     def weights(self) -> list[float]:
         """Each proposal's value over its crowding: 1 + its positive cosines with every other proposal and graduate
         gathered this round. k proposals at cosine c with each other weigh k / (1 + (k - 1) c) of one in all."""
-        rows = [p.unit for p in self.proposals]
-        units = [u for u in rows if u is not None] + self._units
-        if not units:
-            return [p.value for p in self.proposals]
-        matrix = torch.stack(units)
-        weights = []
-        for p in self.proposals:
-            if p.unit is None:
-                weights.append(p.value)
-                continue
-            crowding = float((matrix @ p.unit).clamp_min(0.0).sum())  # its own cosine, 1, included
-            weights.append(p.value / max(1.0, crowding))
+        rows = [(i, p.unit) for i, p in enumerate(self.proposals) if p.unit is not None]
+        weights = [p.value for p in self.proposals]
+        if not rows:
+            return weights
+        units = torch.stack([unit for _, unit in rows] + self._units)
+        crowding = (units[:len(rows)] @ units.T).clamp_min(0.0).sum(1).clamp_min(1.0)  # its own cosine, 1, included
+        for (i, _), c in zip(rows, crowding.tolist()):
+            weights[i] /= c
         return weights
 
     def relay(self) -> tuple[Tensor | None, list[float]]:

@@ -201,19 +201,21 @@ class Sponsorship:
             direction = along(without(current[self._at], self._fresh))
         pending, self._pending = self._pending, []
         if pending:  # all at once: a few matrix products, not a Python call per proposal and direction
-            values = self._worths(torch.stack([p.sample for p in pending]), direction)
+            samples = torch.stack([p.sample for p in pending])
+            values, news = self._worths(samples, direction), self._new_parts(samples)
             nears = self._window.nears(torch.stack([p.unit for p in pending]), NEAR_COPY)
-            for p, value, nearby in zip(pending, values, nears):
-                self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, value, nearby)
+            for p, *judged, nearby in zip(pending, values, news, nears):
+                self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, judged, nearby)
         self._window.trim(MAX_WINDOW)
 
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
-               date: float, direction: Along | None = None, judged: tuple[float, float] | None = None,
+               date: float, direction: Along | None = None, judged: Sequence[Any] = (),
                nearby: list[int] | None = None) -> None:
         """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
         graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
-        and its work, relayed already through the copy, is not relayed again."""
+        and its work, relayed already through the copy, is not relayed again. `judged`: its (value, keep) and new
+        part, computed with its phase's batch."""
         key = slot_key(self.run_id, author, seq)
         copied, displaced = race(self._window, unit, date, NEAR_COPY, author=author, nearby=nearby)
         if copied:
@@ -223,16 +225,16 @@ class Sponsorship:
         if displaced:
             self._take_back(displaced, key)
         graduate = self.graduated(author, before=seq)
-        value, keep = judged or self._worths(sample[None], direction)[0]
+        (value, keep), new = judged or (self._worths(sample[None], direction)[0], self._new_parts(sample[None])[0])
         _bounded(self.judged, (author, seq), (value, keep if graduate else 0.0))
         carry = self._carry
         if graduate:
             if keep > 0 and not displaced:
                 _bounded(self.relayed, author, self.relayed.get(author, 0.0) + keep / len(self.sponsors))
             if len(carry.graded) < MAX_VOUCHES and not displaced:  # what its header can list
-                carry.graduate(key, value, step if keep > 0 else None, factor, keep, self._new_part(sample))
+                carry.graduate(key, value, step if keep > 0 else None, factor, keep, new)
         elif value > 0 and not displaced and len(carry.proposals) < MAX_VOUCHES:
-            carry.propose(key, step, factor, value, self._new_part(sample))
+            carry.propose(key, step, factor, value, new)
         self._note(author, seq, value)
         self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round))
 
@@ -291,11 +293,11 @@ class Sponsorship:
                                                                        key=lambda kv: -kv[1])
         return Relayed(relay, pack_vouches(verdicts[:MAX_VOUCHES]), share, carry.carried / sponsors)
 
-    def _new_part(self, sample: Tensor) -> Tensor | None:
-        """`sample`'s part outside theta's recent moves, unit length (None if nothing): what crowding compares."""
-        part = new_parts(sample[None], self._fresh)[0]
-        norm = float(part.norm())
-        return part / norm if norm > 0 and math.isfinite(norm) else None
+    def _new_parts(self, samples: Tensor) -> list[Tensor | None]:
+        """Each row's part outside theta's recent moves, unit length (None if nothing): what crowding compares."""
+        parts = new_parts(samples, self._fresh)
+        norms = parts.norm(dim=1).tolist()
+        return [part / n if n > 0 and math.isfinite(n) else None for part, n in zip(parts, norms)]
 
     def vouched(self, sponsor: str, values: Iterable[tuple[bytes, float]]) -> None:
         """A sponsor's update merged here: count what each author's proposals were judged worth (views and
