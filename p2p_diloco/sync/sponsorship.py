@@ -45,9 +45,9 @@ a sponsor that judged an author's last RECORD proposals useful (each `v >= PROVE
 sponsor's) relays its next ones **as a member's**: `keep(u) * step(u) / S`, `keep = GRADUATE_SHARE * min(1,
 mean_s |u_s| / |u|)` if it points along the sponsors' work (else 0), outside the newcomers' share and not
 displacing the sponsor's own work; the sponsor signs a weight that carries it (train/outer.py `relay_payload`). The
-record is the sponsor's own: graduation needs no agreement between replicas. A sleeper (useful work until it
-graduates, then an attack) gains nothing: every update is still judged before it enters theta, and a strike breaks
-its record.
+record is the sponsor's own (sync/records.py): graduation needs no agreement between replicas. A sleeper (useful
+work until it graduates, then an attack) gains nothing: every update is still judged before it enters theta, and a
+strike breaks its record.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from torch import Tensor
 from p2p_diloco.sync.decoded import Decoded
 from p2p_diloco.sync.echoes import echoing, moves_at, new_parts, orthonormal, without, without_echoes
 from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
+from p2p_diloco.sync.records import Records, bounded
 from p2p_diloco.sync.relayed import NOTHING, Carry, Relayed
 from p2p_diloco.sync.worth import Along, along, worths
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
@@ -114,7 +115,7 @@ class Sponsorship:
         self.earned: OrderedDict[str, float] = OrderedDict()  # author -> what sponsors judged its work worth
         self.relayed: OrderedDict[str, float] = OrderedDict()  # at a sponsor: author -> updates' worth relayed
         self._authors: OrderedDict[bytes, tuple[str, int]] = OrderedDict()  # proposals merged: slot key -> slot
-        self._record: OrderedDict[str, dict[int, float]] = OrderedDict()  # at a sponsor: author -> seq -> best v
+        self.records = Records(RECORD, PROVEN, MAX_EARNED)  # at a sponsor: who has graduated (sync/records.py)
         self.judged: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()  # at a sponsor, for views:
         # (author, seq) -> (v, the share of its step relayed in full: keep for a graduate's, 0 for a proposal's)
         self._latest: dict[str, Tensor] = {}  # each sponsor's latest update, sampled: what proposals are judged by
@@ -123,7 +124,6 @@ class Sponsorship:
         self._round = 0  # relays so far
         self.heralds = Heralds()  # at a sponsor: when each proposal was first heard of (sync/heralds.py)
         self._now = 0.0  # the latest date given to `merged`
-        self._disowned: OrderedDict[tuple[str, int], bool] = OrderedDict()  # near copies whose credit was taken back
         self._carry = Carry()  # what our next update relays, gathered as we judge (sync/relayed.py)
         self._at: Tensor | None = None  # the sampled coordinates (the copy window's) the samples were taken at
         self._relayed_at: Tensor | None = None  # what our last update relayed, theta's units, at `at`
@@ -147,19 +147,16 @@ class Sponsorship:
     def graduated(self, author: str, before: int | None = None) -> bool:
         """This sponsor judged `author`'s last RECORD proposals (before seq `before`) useful: it relays the next one
         as a member's. (Another sponsor's vouch for the proposal being judged does not count for it.)"""
-        record = self._record.get(author, {})
-        latest = sorted(seq for seq in record if before is None or seq < before)[-RECORD:]
-        return len(latest) == RECORD and all(record[seq] >= PROVEN for seq in latest)
+        return self.records.graduated(author, before)
 
     @property
     def graduates(self) -> list[str]:
-        return [a for a in self._record if self.graduated(a)]
+        return self.records.graduates
 
     def heard(self, author: str, seq: int, update_id: bytes, now: float) -> None:
         """A verified herald (sync/heralds.py): a proposal's signed header, sent to the sponsors ahead of it."""
         if self.judging and author not in self.sponsors:
-            useful = any(v >= PROVEN for v in self._record.get(author, {}).values())
-            self.heralds.heard(author, seq, update_id, now, member=useful)
+            self.heralds.heard(author, seq, update_id, now, member=self.records.useful(author))
 
     def merged(self, author: str, seq: int, sample: Tensor | None, step: Tensor | Decoded | None,
                factor: float = 1.0, at: Tensor | None = None, *, update_id: bytes | None = None,
@@ -235,7 +232,7 @@ class Sponsorship:
                 carry.graduate(key, value, step if keep > 0 else None, factor, keep, new)
         elif value > 0 and not displaced and len(carry.proposals) < MAX_VOUCHES:
             carry.propose(key, step, factor, value, new)
-        self._note(author, seq, value)
+        self.records.note(author, seq, value)
         self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round))
 
     def _take_back(self, displaced: list[int], key: bytes | None) -> None:
@@ -247,10 +244,8 @@ class Sponsorship:
             assert seen.slot is not None
             author, seq = seen.slot
             self._window[i] = seen._replace(slot=None)
-            _bounded(self._disowned, seen.slot, True)
+            self.records.disown(author, seq)
             _bounded(self.judged, seen.slot, (0.0, 0.0))
-            if seq in self._record.get(author, {}):
-                self._record[author][seq] = 0.0
             if key is not None:
                 self._carry.rename(slot_key(self.run_id, author, seq), key)
 
@@ -309,16 +304,7 @@ class Sponsorship:
             if slot is not None:
                 _bounded(self.earned, slot[0], self.earned.get(slot[0], 0.0) + value / len(self.sponsors))
                 if self.judging and sponsor != self.self_id:  # another sponsor's word counts for the record too
-                    self._note(*slot, value)
-
-    def _note(self, author: str, seq: int, value: float) -> None:
-        """The record: per slot the best value a sponsor gave it (a slot this sponsor lost to a copy's race may
-        still be vouched for by another), the latest few slots."""
-        if (author, seq) in self._disowned:  # a copy that lost its credit to its original: no vouch restores it
-            return
-        record = self._record.get(author, {})
-        record[seq] = max(value, record.get(seq, 0.0))
-        _bounded(self._record, author, {k: record[k] for k in sorted(record)[-RECORD - 2:]})
+                    self.records.note(*slot, value)
 
     def _worths(self, samples: Tensor, direction: Along | None = None) -> list[tuple[float, float]]:
         """(v, keep) of each row of `samples`: a proposal's value and the share of a graduate's step to relay: once
@@ -342,8 +328,4 @@ class Sponsorship:
 
 
 def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:
-    """table[key] = value as the most recent entry, the least recent dropped beyond MAX_EARNED."""
-    table.pop(key, None)
-    table[key] = value
-    while len(table) > MAX_EARNED:
-        table.popitem(last=False)
+    bounded(table, key, value, MAX_EARNED)

@@ -47,7 +47,7 @@ def test_a_copy_whose_payload_comes_first_gives_its_credit_to_the_original_heard
     _propose(s, "volunteer", original, now=2.0)
     assert s.judged[("volunteer", 1)][0] > 0.5 and s.judged[("copier", 1)] == (0.0, 0.0)
     s.vouched("s2", [(slot_key("", "copier", 1), 0.9)])  # another sponsor that credited the copy first
-    assert s._record["copier"][1] == 0.0 and s._record["volunteer"][1] > 0.5  # no vouch restores the copy's
+    assert s.records.marks("copier")[1] == 0.0 and s.records.marks("volunteer")[1] > 0.5  # no vouch restores the copy's
     relayed = s.relay()
     assert relayed.step is not None
     assert float(torch.nn.functional.cosine_similarity(relayed.step, copy, 0)) > 0.999  # the work, relayed once
@@ -105,7 +105,7 @@ def test_a_copy_of_a_sponsors_update_earns_nothing_whatever_its_herald_says() ->
     _propose(s, "copier", theirs + 0.01 * torch.randn(DIM, generator=g), now=1.5)
     assert s.judged[("copier", 1)][0] > 0.5  # nothing to compare it with yet
     s.merged("s2", 1, theirs, theirs, at=AT, now=2.0)
-    assert s.judged[("copier", 1)] == (0.0, 0.0) and s._record["copier"][1] == 0.0  # its credit taken back
+    assert s.judged[("copier", 1)] == (0.0, 0.0) and s.records.marks("copier")[1] == 0.0  # its credit taken back
     s.relay()  # a new round
     again = own + 0.5 * torch.randn(DIM, generator=g)
     s.heard("copier", 2, _id("copier", 2), now=2.5)  # its herald beat s2's payload here ...
@@ -147,7 +147,7 @@ def test_a_copy_relayed_before_its_original_came_gives_its_credit_over_in_the_ne
     first = s.relay()  # ... and went out in this round's relay, before the original reached us
     assert first.step is not None and s.relayed["copier"] > 0.3
     _propose(s, "volunteer", original, now=2.0)  # the original, dated first by its herald, in the next round
-    assert s._record["copier"][1] == 0.0 and s._record["volunteer"][1] > 0.5  # the credit passes over
+    assert s.records.marks("copier")[1] == 0.0 and s.records.marks("volunteer")[1] > 0.5  # the credit passes over
     assert s.relay().step is None  # its work went out through the copy: not relayed twice
     # a copy of the last round's work is still a copy; an author's own earlier work is no original it copies
     again = own + 0.5 * torch.randn(DIM, generator=g)
