@@ -5,11 +5,11 @@
 crowd with no compute that echoes a late volunteer's proposal (its own noise at cosine 0.9 with it, dated just
 after it) filled the share with that one proposal's work, ten times what the volunteer's own value relayed, and an
 honest volunteer's work amplified so cost +5.4% / +13.2% (`test`, 100 identities, seeds 0 / 1; BENCHMARKS
-"Crowding"). So a proposal's work is relayed at its value divided by how crowded its direction already is in this
-relay: 1 plus the sum of its positive cosines (their parts outside theta's recent moves) with the proposals and
-graduates' work gathered before it. A proposal alone keeps its value; k copies of one direction relay about one's
-worth in all (the first most, the rest the harmonic tail), however many identities sign them. Its value itself
-(its record, its vouch) is unchanged: crowding decides only how much of its work is carried."""
+"Crowding"). So a proposal's work is relayed at its value divided by how crowded its direction is in this relay:
+1 plus the sum of its positive cosines (their parts outside theta's recent moves) with the round's other relayed
+proposals and graduates' work. A proposal alone keeps its value; k copies of one direction relay one's worth in
+all, k echoes of one proposal about its worth along it, however many identities sign them. Its value itself (its
+record, its vouch) is unchanged: crowding decides only how much of its work is carried."""
 
 from __future__ import annotations
 

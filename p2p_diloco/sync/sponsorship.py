@@ -201,13 +201,15 @@ class Sponsorship:
             samples = torch.stack([p.sample for p in pending])
             values, news = self._worths(samples, direction), self._new_parts(samples)
             nears = self._window.nears(torch.stack([p.unit for p in pending]), NEAR_COPY)
-            for p, *judged, nearby in zip(pending, values, news, nears):
-                self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, judged, nearby)
+            for p, value, new, nearby in zip(pending, values, news, nears):
+                self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, (value, new),
+                            nearby)
         self._window.trim(MAX_WINDOW)
 
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
-               date: float, direction: Along | None = None, judged: Sequence[Any] = (),
-               nearby: list[int] | None = None) -> None:
+               date: float, direction: Along | None = None,
+               judged: tuple[tuple[float, float], Tensor | None] | None = None, nearby: list[int] | None = None
+               ) -> None:
         """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
         graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
