@@ -273,8 +273,8 @@ class Sponsorship:
         if relay is not None and weights:
             total = sum(weights)  # crowded values: what the work was summed at
             relay.mul_(1.0 / (sponsors * max(1.0, total)))
-            for (key, *_), weight in zip(carry.proposals, weights):
-                author = self._authors[key][0] if key in self._authors else ""
+            for p, weight in zip(carry.proposals, weights):
+                author = self._authors[p.key][0] if p.key in self._authors else ""
                 _bounded(self.relayed, author, self.relayed.get(author, 0.0) + weight / (sponsors * max(1.0, total)))
             share = min(1.0, total) / sponsors
         else:
@@ -286,7 +286,7 @@ class Sponsorship:
             relay, self._snapshots = without_echoes(relay, theta, self._snapshots)
         if relay is not None and self._at is not None and int(self._at[-1]) < relay.numel():
             self._relayed_at = relay[self._at] / (1.0 + share)  # what it will move theta by (`relay_payload`)
-        verdicts = [(k, v) for k, v in carry.graded if v > 0] + sorted((p[:2] for p in carry.proposals),
+        verdicts = [(k, v) for k, v in carry.graded if v > 0] + sorted(((p.key, p.value) for p in carry.proposals),
                                                                        key=lambda kv: -kv[1])
         return Relayed(relay, pack_vouches(verdicts[:MAX_VOUCHES]), share, carry.carried / sponsors)
 
