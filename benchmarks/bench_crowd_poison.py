@@ -28,7 +28,9 @@ of them sharing as much compute as the honest peers together (`train_negate_shar
 trained from an honest replica's state rather than its own (`train_negate_tracked`), or, built against a run
 with sponsors' graduation, two honest updates between two tampered ones (`train_sleeper`: negated,
 `train_sleeper_scale`: x5 capped, `train_sleeper_bound`: negated x5 capped), or negated and tilted toward the
-swarm's recent direction until its cosine with it is 0.3 (`train_tilt`) or 0.9 (`train_tilt9`). For `train_*`, K is the
+swarm's recent direction until its cosine with it is 0.3 (`train_tilt`) or 0.9 (`train_tilt9`), or, built against a
+judge that reads a few fixed coordinates, honest on the copy test's public ones and negated (`train_mask`) or
+negated x5 capped (`train_mask_bound`) on every other. For `train_*`, K is the
 number of hostile peers and no crowd signs anything. The defence `standing` is the spec's defaults (whatever
 the code under test makes them).
 
@@ -107,13 +109,20 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            # sponsors' removal of their recent moves (sync/sponsorship.py ECHO = 2): theta's move of 2 updates ago
            "train_echo": Attack(factor=0.9999, hostile=Hostility.TILT),
            "train_echo_lag": Attack(factor=0.9999, hostile=Hostility.TILT, lag=2),
-           "train_tilt9_lag": Attack(factor=0.9, hostile=Hostility.TILT, lag=2)}
+           "train_tilt9_lag": Attack(factor=0.9, hostile=Hostility.TILT, lag=2),
+           # built against a judge that reads the copy test's public coordinates: honest there, the attack elsewhere
+           "train_mask": Attack(factor=-1.0, hostile=Hostility.MASK),
+           "train_mask_bound": Attack(factor=-5.0, hostile=Hostility.MASK, bounded=True),
+           # built against a judge that reads a sample, however secret: honest but for a few coordinates at the bound
+           "train_spike": Attack(factor=0.001, hostile=Hostility.SPIKE),
+           "train_spike10": Attack(factor=0.01, hostile=Hostility.SPIKE)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive", "echo_noise",
             "echo_source", "echo_soft", "echo_newcomer", "echo_soft_newcomer",
             "copy_newcomer", "near_copy_newcomer", "train_honest",
             "train_negate", "train_scale", "train_negate_bound",
             "train_negate_shared", "train_negate_tracked", "train_sleeper", "train_sleeper_scale",
-            "train_sleeper_bound", "train_tilt", "train_tilt9", "train_echo", "train_echo_lag", "train_tilt9_lag"]
+            "train_sleeper_bound", "train_tilt", "train_tilt9", "train_echo", "train_echo_lag", "train_tilt9_lag",
+            "train_mask", "train_mask_bound"]
 CLEAN = {"clean": Attack(), "clean_join": Attack(newcomer=True)}
 DEFENCES = {"today": dict(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, full_agreement=0.0,
                           copy_cosine=0.0),

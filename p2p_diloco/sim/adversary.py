@@ -11,6 +11,12 @@ update into its own replica, and publishes a tampered one instead:
     sign_flip  the payload is minus the honest one
     tilt       the honest one negated, tilted toward the swarm's recent direction until its cosine with it is
                `factor` (`tilted`): built against a judge of directions
+    mask       the honest one on the coordinates every replica's copy test reads (fixed and public: sync/copies.py
+               `copy_coordinates`), the honest one times `factor` everywhere else (negated at -1; with `bounded`,
+               capped under the norm bound): built against a judge that reads only those coordinates
+    spike      the honest one, but on a fraction `factor` of the coordinates (the same ones every time) the most the
+               norm bound lets through, pushing theta's values away from 0: built against a judge that reads a
+               sample of the coordinates, however secret (the sample rarely holds one of them)
     withhold   seqs in `withhold` are published to nobody and kept by nobody (a lost update: replicas skip its gap);
                with `release_at_s` they are sent to every live peer at that time instead
 
@@ -36,6 +42,7 @@ from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.crowd_attacks import within_bound
 from p2p_diloco.sim.result import Progress, SimResult, divergence
 from p2p_diloco.sim.swarm import AsyncSwarm, ReplicaState, SimPeer
+from p2p_diloco.sync.copies import copy_coordinates
 from p2p_diloco.sync.quorum import merged_by_quorum, skipped_by_quorum
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.store import UpdateStore
@@ -53,6 +60,8 @@ class Hostility(str, Enum):
     SIGN_FLIP = "sign_flip"
     WITHHOLD = "withhold"
     TILT = "tilt"
+    MASK = "mask"
+    SPIKE = "spike"
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,12 @@ class Adversary:
                 payload = learner.codec.compress(within_bound(d, self.factor, bound))
             elif self.mode is Hostility.TILT:
                 payload = learner.codec.compress(tilted(learner, d, self.factor, self.lag))
+            elif self.mode is Hostility.SPIKE:
+                bound = MergePolicy.from_spec(learner.spec).reject_above
+                payload = learner.codec.compress(spiked(d, learner.replica.theta, self.factor, bound))
+            elif self.mode is Hostility.MASK:
+                bound = MergePolicy.from_spec(learner.spec).reject_above if self.bounded else math.inf
+                payload = learner.codec.compress(masked(d, copy_coordinates(d.numel()), self.factor, bound))
             else:
                 payload = learner.codec.compress(-d)
         h = honest.header
@@ -133,6 +148,24 @@ def tilt(honest: torch.Tensor, direction: torch.Tensor, cosine: float) -> torch.
             high = x
     out = -p + high * s
     return out * (length / float(out.norm()))
+
+
+def masked(honest: torch.Tensor, at: torch.Tensor, factor: float, bound: float = math.inf) -> torch.Tensor:
+    """`honest` at the coordinates `at`, `honest * factor` (capped under `bound`) everywhere else: to a judge
+    that reads only `at`, the honest update; to theta, mostly the attack."""
+    out = within_bound(honest, factor, bound)
+    out[at] = honest[at]
+    return out
+
+
+def spiked(honest: torch.Tensor, theta: torch.Tensor, fraction: float, bound: float) -> torch.Tensor:
+    """`honest`, with a fixed `fraction` of its coordinates at 0.99 of `bound`, signed so that the merge (theta minus
+    the step) pushes theta's values there away from 0."""
+    g = torch.Generator().manual_seed(0x5B1CE)
+    at = torch.randperm(honest.numel(), generator=g)[:max(1, round(fraction * honest.numel()))]
+    out = honest.clone()
+    out[at] = -0.99 * bound * torch.where(theta[at] >= 0, 1.0, -1.0)
+    return out
 
 
 class Published(NamedTuple):
@@ -205,7 +238,8 @@ class HostileSwarm(AsyncSwarm):
         def finish_phase(phase, result, swarm) -> OuterUpdate:  # noqa: ANN001
             honest = honest_finish(phase, result, swarm)
             tampered = adversary.tamper(learner, honest)
-            if adversary.mode in (Hostility.SCALE, Hostility.SIGN_FLIP, Hostility.TILT):
+            if adversary.mode in (Hostility.SCALE, Hostility.SIGN_FLIP, Hostility.TILT, Hostility.MASK,
+                                  Hostility.SPIKE):
                 d, t = (learner.codec.decompress(u.payload, u.header.numel) for u in (honest, tampered))
                 cosine = float(torch.nn.functional.cosine_similarity(d, t, dim=0))
                 self.published.append(Published(peer.index, tampered.seq, cosine, float(t.norm() / d.norm()),

@@ -38,6 +38,17 @@ junk; 1024 (4 MiB, one 1024 x 4096 product per update) covers rounds of hundreds
 COPY_SEED = 0x5EED
 
 
+def copy_coordinates(numel: int, seed: int = COPY_SEED) -> Tensor:
+    """COPY_SAMPLE coordinates of a payload of `numel` values drawn from `seed`, sorted (a pass over a payload
+    takes them in order, sync/decoded.py); all of them if there are no more. The copy test's are the same on every
+    replica, so anyone can know them: a copy is a copy on any coordinates, but a judge of worth must not read only
+    these (sync/sponsorship.py)."""
+    if numel <= COPY_SAMPLE:  # nothing to hide, and no coordinate read twice
+        return torch.arange(numel)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, numel, (min(COPY_SAMPLE, numel),), generator=g).sort().values
+
+
 @dataclass
 class WindowEntry:
     """One payload in the window: its author and seq, its row of the sample matrix, and its state: "" (merged
@@ -87,8 +98,7 @@ class CopyWindow:
     def sample_at(self, numel: int) -> Tensor:
         """The fixed coordinates the test compares, for a payload of `numel` values (drawn once per size)."""
         if self._sample_at is None or int(self._sample_at[-1]) >= numel:  # sorted: the last is the largest
-            g = torch.Generator().manual_seed(COPY_SEED)
-            self._sample_at = torch.randint(0, numel, (min(COPY_SAMPLE, numel),), generator=g).sort().values
+            self._sample_at = copy_coordinates(numel)
         return self._sample_at
 
     def _remember(self, sender: str, seq: int, sample: Tensor, state: str) -> None:

@@ -123,3 +123,26 @@ def test_echo_soft_echoes_the_update_itself_at_its_softer_cosine() -> None:
     a, b = (crowd_delta("echo_soft", d, factor=1.0, bound=float("inf"), rng=rng) for _ in range(2))
     assert _cos(a, d) == pytest.approx(SOFT_COSINE, abs=1e-4) and _cos(b, d) == pytest.approx(SOFT_COSINE, abs=1e-4)
     assert float(a.norm()) == pytest.approx(float(d.norm()), rel=1e-5) and abs(_cos(a, b)) < 0.5
+
+
+def test_masked_work_is_honest_only_where_the_copy_test_reads_and_spikes_sit_at_the_bound() -> None:
+    """`masked` (built against a judge reading the public copy coordinates) and `spiked` (against any sample)."""
+    from p2p_diloco.sim.adversary import masked, spiked
+    from p2p_diloco.sync.copies import copy_coordinates
+
+    rng = torch.Generator().manual_seed(1)
+    d, theta = torch.randn(40_000, generator=rng), torch.randn(40_000, generator=rng)
+    at = copy_coordinates(d.numel())
+    out = masked(d, at, -1.0)
+    elsewhere = torch.ones(d.numel(), dtype=torch.bool)
+    elsewhere[at] = False
+    assert torch.equal(out[at], d[at]) and torch.equal(out[elsewhere], -d[elsewhere])
+    assert _cos(out, d) < -0.75  # to theta: mostly negated (4,096 of 40,000 coordinates honest)
+    capped = masked(d, at, -5.0, bound=2.0)
+    assert float(capped[elsewhere].abs().max()) <= BOUND_MARGIN * 2.0 + 1e-6  # x5 capped under the bound
+    spikes = spiked(d, theta, 0.01, bound=10.0)
+    moved = spikes != d
+    assert 390 <= int(moved.sum()) <= 400  # the fraction asked (a coordinate already at the value stays)
+    assert torch.allclose(spikes[moved].abs(), torch.tensor(9.9))
+    assert bool((torch.sign(spikes[moved]) == -torch.sign(theta[moved])).all())  # theta - step: away from 0
+    assert torch.equal(spikes[~moved], d[~moved])
