@@ -62,10 +62,10 @@ def judging_round_s(numel: int, peers: int, repeats: int) -> tuple[float, float]
     standing = Standing(probation=1.0, min_agreement=-1.0, max_norm_ratio=0.0, self_id="s0",
                         sponsors=tuple(f"s{i}" for i in range(SPONSORS)))
     sponsorship: Sponsorship = standing.sponsorship
-    at = standing.copies.sample_at(numel)
     theta = torch.zeros(numel)  # moved each round, so the relay's removal of the last moves has two to remove
     times, at_end = [], []
     for r in range(repeats + 1):
+        at = sponsorship.sample_at(numel)  # this round's coordinates and the next's (sync/judged_at.py)
         sponsorship.merged("s0", r + 1, steps[0][at] * 1e-3, steps[0], 1e-3, at)  # its own, untimed
         relayed = sum(sponsorship.relayed.values())
         move = torch.randn(numel, generator=g)  # theta's move this round: not what the proposals' new work is along

@@ -142,7 +142,7 @@ class AsyncSwarm:
         identity = self.founders[index] if index < len(self.founders) else Identity.generate()
         shard, shards, stream = self.sim.unit_data(index, self._shard_of(index), self.num_shards)
         learner = Learner(self.spec, identity, self.corpus, shard=shard, num_shards=shards, replica_state=state,
-                          device=self.device, stream=stream)
+                          device=self.device, stream=stream, judge_seed=self.spec.seed * 1009 + index)
         # Gaps, standing and heralds go by the simulated clock (a loaded machine's wall clock would time gaps out)
         learner.replica.set_clock(lambda: self.queue.now)
         exchange = MemoryExchange(self.net, learner.peer_id, self._view, heralds_to=self.heralds_to,

@@ -69,6 +69,14 @@ def new_parts(rows: Tensor, fresh: list[Tensor]) -> Tensor:
     return rows - (rows @ basis.T) @ basis
 
 
+def unit_new_parts(rows: Tensor, fresh: list[Tensor]) -> list[Tensor | None]:
+    """Each row's part outside the span of the orthonormal `fresh`, unit length (None if nothing): what a sponsor's
+    crowding compares (sync/relayed.py)."""
+    parts = new_parts(rows, fresh)
+    norms = parts.norm(dim=1).tolist()
+    return [part / n if n > 0 and math.isfinite(n) else None for part, n in zip(parts, norms)]
+
+
 def echoing(samples: Tensor, fresh: list[Tensor], published: Tensor, near: float) -> list[bool]:
     """Which rows of `samples` echo a row of `published`: the |cosine| of their parts outside the span of the
     orthonormal `fresh` (what is no longer new) is at least `near`. A crowd with no compute signs a published update

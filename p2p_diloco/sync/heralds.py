@@ -110,6 +110,9 @@ class Seen(NamedTuple):
     author: str = ""
     round: int = 0
     """The sponsor's round it merged in: the window holds this round's and the last one's (`Sponsorship.relay`)."""
+    ahead: Tensor | None = None
+    """Its sample at the next round's coordinates (sync/judged_at.py): its row, at unit length, once the round turns.
+    The window keeps it in a matrix beside the rows; the entry itself holds None."""
 
 
 class Window:
@@ -120,6 +123,8 @@ class Window:
     def __init__(self) -> None:
         self.seen: list[Seen] = []
         self._rows: Tensor | None = None  # row i: seen[i].unit; capacity grows by doubling
+        self._ahead: Tensor | None = None  # row i: seen[i]'s sample at the next round's coordinates, if given
+        self._has_ahead: list[bool] = []
 
     def __len__(self) -> int:
         return len(self.seen)
@@ -133,23 +138,42 @@ class Window:
 
     def append(self, seen: Seen) -> None:
         n = len(self.seen)
-        if self._rows is None or n == self._rows.shape[0]:
-            grown = torch.empty(max(16, 2 * n), seen.unit.numel(), dtype=seen.unit.dtype)
-            if self._rows is not None:
-                grown[:n] = self._rows[:n]
-            self._rows = grown
+        if self._rows is None or self._ahead is None or n == self._rows.shape[0]:
+            shape = (max(16, 2 * n), seen.unit.numel())
+            rows, ahead = torch.empty(shape, dtype=seen.unit.dtype), torch.zeros(shape, dtype=seen.unit.dtype)
+            if self._rows is not None and self._ahead is not None:
+                rows[:n], ahead[:n] = self._rows[:n], self._ahead[:n]
+            self._rows, self._ahead = rows, ahead
         self._rows[n] = seen.unit
-        self.seen.append(seen)
+        self._has_ahead.append(seen.ahead is not None)
+        if seen.ahead is not None:
+            self._ahead[n] = seen.ahead
+        self.seen.append(seen._replace(ahead=None))
 
     def keep(self, which: list[int]) -> None:
-        """Keep only the entries at `which` (ascending), in order."""
-        if self._rows is not None and which != list(range(len(which))):
-            self._rows[: len(which)] = self._rows[torch.tensor(which, dtype=torch.long)]
+        """Keep only the entries at `which` (ascending, distinct), in order."""
+        if len(which) == len(self.seen):  # all of them
+            return
+        if self._rows is not None and self._ahead is not None and which != list(range(len(which))):
+            index = torch.tensor(which, dtype=torch.long)
+            self._rows[: len(which)], self._ahead[: len(which)] = self._rows[index], self._ahead[index]
         self.seen = [self.seen[i] for i in which]
+        self._has_ahead = [self._has_ahead[i] for i in which]
+
+    def rotate(self) -> None:
+        """The round turned (sync/judged_at.py): each entry's row becomes its sample at the new round's coordinates,
+        at unit length (all at once); an entry that came without one is dropped."""
+        self.keep([i for i, has in enumerate(self._has_ahead) if has])
+        n = len(self.seen)
+        if n and self._rows is not None and self._ahead is not None:
+            ahead = self._ahead[:n]
+            self._rows[:n] = ahead / ahead.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        self._has_ahead = [False] * n
 
     def trim(self, most: int) -> None:
         """Keep the latest `most` entries."""
-        self.keep(list(range(max(0, len(self.seen) - most), len(self.seen))))
+        if len(self.seen) > most:
+            self.keep(list(range(len(self.seen) - most, len(self.seen))))
 
     def near(self, unit: Tensor, near: float) -> list[int]:
         """The entries whose |cosine| with `unit` (unit length) is at least `near`, in order."""
@@ -190,7 +214,9 @@ def race(window: Window, unit: Tensor, date: float, near: float, *, sponsor: boo
     return copied, later
 
 
-def unit_of(sample: Tensor) -> Tensor | None:
-    """A sample at unit length, as the copy window holds it (None for a zero or non-finite one)."""
+def unit_of(sample: Tensor | None) -> Tensor | None:
+    """A sample at unit length, as the copy window holds it (None for none, a zero or a non-finite one)."""
+    if sample is None:
+        return None
     norm = float(sample.norm())
     return sample / norm if norm > 0 and math.isfinite(norm) else None

@@ -1,5 +1,5 @@
 """What a sponsor's update carries of others' work (sync/sponsorship.py `Sponsorship.relay`, train/outer.py
-`relay_payload`), and `Carry`, where it gathers that work as it judges.
+`relay_payload`), `Pending`, a proposal waiting to be judged, and `Carry`, where it gathers that work as it judges.
 
 **Crowding.** One share for all newcomers bounds what they weigh together, not what one direction weighs in it: a
 crowd with no compute that echoes a late volunteer's proposal (its own noise at cosine 0.9 with it, dated just
@@ -48,6 +48,19 @@ class Proposal(NamedTuple):
     factor: float
     unit: Tensor | None
     """Its part outside theta's recent moves at the sampled coordinates, unit length (None: nothing new)."""
+
+
+class Pending(NamedTuple):
+    """A proposal merged this phase, to be judged when the phase ends (`Sponsorship.relay`)."""
+
+    author: str
+    seq: int
+    sample: Tensor
+    unit: Tensor
+    step: Tensor | Decoded
+    factor: float
+    date: float
+    ahead: Tensor | None = None  # its sample at the next round's coordinates (sync/judged_at.py)
 
 
 class Carry:

@@ -58,8 +58,7 @@ finiteness, the norm bound, sync/screening.py), then either wait (an update that
 once screened, after admitting it again under the lock: others ran meanwhile) or merge (under the lock, admitted
 again before the axpy, so two threads decoding the same update merge it once; its buffered successors follow).
 Each update is decoded once (`offer(decoded=...)`, sync/pending.py). The slots' bookkeeping (V, merged ids,
-buffer, bans) is sync/slots.py. The replica knows nothing of training: it is built from the run's spec
-(`Replica.from_spec`).
+buffer, bans) is sync/slots.py. The replica knows nothing of training: `Replica.from_spec` builds it from a spec.
 """
 
 from __future__ import annotations
@@ -115,11 +114,12 @@ class Replica:
         self._chain = MergeChain(self.lock, self._slots, self._rule, self.stats)  # the merge stage of `offer`
 
     @classmethod
-    def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None, self_id: str = "") -> Replica:
-        """The replica of `spec`'s run: merge constants, codec (pass the peer's to share it) and every rule."""
+    def from_spec(cls, spec: RunSpec, theta: Tensor, *, codec: Codec | None = None, self_id: str = "",
+                  judge_seed: int | None = None) -> Replica:
+        """The replica of `spec`'s run: constants, codec (the peer's, shared), rules, a sponsor's secret seed."""
         codec = codec or get_codec(spec.outer.codec, spec.outer.codec_block)
         replica = cls(theta, outer_lr=spec.outer.outer_lr, max_weight=spec.outer.max_weight, codec=codec,
-                      standing=Standing.from_spec(spec, self_id=self_id))
+                      standing=Standing.from_spec(spec, self_id=self_id, judge_seed=judge_seed))
         replica.bind_rules(MergePolicy.from_spec(spec), gap_timeout_s=spec.defence.gap_timeout_s,
                            max_hole_span=spec.defence.max_hole_span)
         return replica

@@ -23,13 +23,13 @@ later (one more round of staleness), and a sponsor spends one parameter-sized fl
 How a sponsor judges (FLTrust's rule, Cao et al. 2021, with the founders' work as the root data), at the end of
 the phase the proposal merged in: the cosine of the proposal with the sum of every sponsor's latest update or, if
 larger, with the sponsor's pseudo-gradient of that phase (a proposer rebases onto what merges while it trains:
-BENCHMARKS "What a proposal points along"), on the copy window's sampled coordinates, floored at 0, scaled down
+BENCHMARKS "What a proposal points along"), on 4,096 coordinates only this sponsor knows, drawn again every round
+(sync/judged_at.py: the copy test's are public), floored at 0, scaled down
 when the proposal is longer than a sponsor's update, `v = max(0, cos) * min(1, mean_s |u_s| / |u|)`, and 0 for a
 near copy (|cos| >= NEAR_COPY) of another author's update merged this round or the last and dated before it (by
 its herald, sync/heralds.py; one dated after it that took the credit first gives it over): a crowd re-signing
-honest work adds nothing, a graduate's copy included, and a proposal that lost such a race keeps its record. With a
-file shard per unit honest work points less along the sponsors' late in a run: denial, not poisoning. The values
-go into the sponsor's signed header (`vouches`; `earned`).
+honest work adds nothing, a graduate's copy included, and a proposal that lost such a race keeps its record. The
+values go into the sponsor's signed header (`vouches`; `earned`).
 
 **Echoes.** Before it signs, a sponsor removes from what it relays every component along theta's moves over its
 last ECHO phases (sync/echoes.py): they are merged already, and a proposal that echoes them would move theta along
@@ -52,19 +52,20 @@ strike breaks its record.
 
 from __future__ import annotations
 
-import math
+import secrets
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
-from p2p_diloco.sync.echoes import echoing, moves_at, new_parts, orthonormal, without, without_echoes
+from p2p_diloco.sync.echoes import echoing, moves_at, orthonormal, unit_new_parts, without, without_echoes
 from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
+from p2p_diloco.sync.judged_at import JudgedAt, Latest
 from p2p_diloco.sync.records import Records, bounded
-from p2p_diloco.sync.relayed import NOTHING, Carry, Relayed
+from p2p_diloco.sync.relayed import NOTHING, Carry, Pending, Relayed
 from p2p_diloco.sync.worth import Along, along, worths
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
@@ -93,44 +94,39 @@ a paired loss change tell honest work from an attack?"), noise ~0.016 on the 409
 work and near copies 0."""
 
 
-class Pending(NamedTuple):
-    """A proposal merged this phase, to be judged when the phase ends (`Sponsorship.relay`)."""
-
-    author: str
-    seq: int
-    sample: Tensor
-    unit: Tensor
-    step: Tensor | Decoded
-    factor: float
-    date: float
-
-
 class Sponsorship:
     """One replica's part in sponsorship (see the module docstring). Not thread-safe: the replica calls it under
     its lock."""
 
-    def __init__(self, sponsors: Sequence[str], self_id: str = "", run_id: str = "") -> None:
+    def __init__(self, sponsors: Sequence[str], self_id: str = "", run_id: str = "", seed: int | None = None) -> None:
+        """`seed`: where we judge (`sample_at`), a secret (a peer's key's: `Identity.secret`; None: a random one)."""
         self.sponsors = frozenset(sponsors)
         self.self_id, self.run_id = self_id, run_id
+        self.seed = secrets.randbits(62) if seed is None else seed
+        self.judged_at = JudgedAt(self.seed)  # where we read what we judge, drawn again every round
         self.earned: OrderedDict[str, float] = OrderedDict()  # author -> what sponsors judged its work worth
         self.relayed: OrderedDict[str, float] = OrderedDict()  # at a sponsor: author -> updates' worth relayed
         self._authors: OrderedDict[bytes, tuple[str, int]] = OrderedDict()  # proposals merged: slot key -> slot
         self.records = Records(RECORD, PROVEN, MAX_EARNED)  # at a sponsor: who has graduated (sync/records.py)
         self.judged: OrderedDict[tuple[str, int], tuple[float, float]] = OrderedDict()  # at a sponsor, for views:
         # (author, seq) -> (v, the share of its step relayed in full: keep for a graduate's, 0 for a proposal's)
-        self._latest: dict[str, Tensor] = {}  # each sponsor's latest update, sampled: what proposals are judged by
-        self._basis: tuple[Along | None, float] | None = None  # their sum and mean length, until one changes
+        self._latest = Latest()  # each sponsor's latest update, sampled: what proposals are judged by
         self._window = Window()  # this round's and the last one's merged updates, as the copy rule sees them
         self._round = 0  # relays so far
         self.heralds = Heralds()  # at a sponsor: when each proposal was first heard of (sync/heralds.py)
         self._now = 0.0  # the latest date given to `merged`
         self._carry = Carry()  # what our next update relays, gathered as we judge (sync/relayed.py)
-        self._at: Tensor | None = None  # the sampled coordinates (the copy window's) the samples were taken at
+        self._at: Tensor | None = None  # the sampled coordinates (`sample_at`'s) the samples were taken at
         self._relayed_at: Tensor | None = None  # what our last update relayed, theta's units, at `at`
         self._own_length = 0.0  # our own last step's length at `at`, without what it relayed
         self._snapshots: list[Tensor] = []  # at a sponsor: theta at its last ECHO relays, newest first
         self._pending: list[Pending] = []  # at a sponsor: proposals merged this phase, not judged yet
         self._fresh: list[Tensor] = []  # theta's moves at our last relay, sampled, orthonormal: echoes (`_value`)
+
+    def sample_at(self, numel: int) -> Tensor:
+        """Where we read every update we judge: this round's coordinates and the next round's, secret, not the copy
+        test's public ones (sync/judged_at.py)."""
+        return self.judged_at.both(numel)
 
     @property
     def active(self) -> bool:
@@ -162,10 +158,13 @@ class Sponsorship:
                factor: float = 1.0, at: Tensor | None = None, *, update_id: bytes | None = None,
                now: float | None = None) -> None:
         """An update merged here (`step * factor`: what it would move theta by at full weight; `sample`: that
-        step's values at the copy coordinates `at`, so a proposal that signs itself a larger weight is longer and
+        step's values at our coordinates `at` (`sample_at`): a proposal that signs itself a larger weight is longer,
         scaled down). A sponsor keeps its own as the direction to judge by and relays a useful proposal's step;
         near copies are ranked by date (`update_id`, `now`: its herald's, sync/heralds.py; merge order without)."""
         key = slot_key(self.run_id, author, seq)
+        ahead = None
+        if sample is not None:  # gathered at this round's coordinates and the next's
+            sample, ahead, at = self.judged_at.split(sample, at)
         if at is not None:
             self._at = at
         if author not in self.sponsors:
@@ -175,19 +174,20 @@ class Sponsorship:
         self._now = now = self._now if now is None else max(self._now, now)
         unit = unit_of(sample)
         if author in self.sponsors:
-            self._latest[author], self._basis = sample, None
+            self._latest.set(author, sample, ahead, step if author != self.self_id else None, factor)
             if author == self.self_id:  # the length a graduate is held to: our own work's, not what we carried
                 own = sample - self._relayed_at if self._relayed_at is not None else sample
                 self._own_length, self._relayed_at = float(own.norm()), None
             if unit is not None:  # proposals near it that took credit lose it: copies of a founder's work
                 self._take_back(race(self._window, unit, now, NEAR_COPY, sponsor=True)[1], None)
-                self._window.append(Seen(unit, now, None, sponsor=True, author=author, round=self._round))
+                self._window.append(Seen(unit, now, None, sponsor=True, author=author, round=self._round,
+                                         ahead=ahead))
         elif unit is not None and step is not None:
             date = self.heralds.priority(author, seq, update_id, now)
             if len(self._pending) < MAX_PENDING:  # judged when our phase ends, by the work we did beside it
-                self._pending.append(Pending(author, seq, sample, unit, step, factor, date))
+                self._pending.append(Pending(author, seq, sample, unit, step, factor, date, ahead))
             else:
-                self._judge(author, seq, sample, unit, step, factor, date)
+                self._judge(author, seq, sample, unit, step, factor, date, ahead=ahead)
         self._window.trim(MAX_WINDOW)
 
     def judge(self, current: Tensor | None = None) -> None:
@@ -199,17 +199,17 @@ class Sponsorship:
         pending, self._pending = self._pending, []
         if pending:  # all at once: a few matrix products, not a Python call per proposal and direction
             samples = torch.stack([p.sample for p in pending])
-            values, news = self._worths(samples, direction), self._new_parts(samples)
+            values, news = self._worths(samples, direction), unit_new_parts(samples, self._fresh)
             nears = self._window.nears(torch.stack([p.unit for p in pending]), NEAR_COPY)
             for p, value, new, nearby in zip(pending, values, news, nears):
                 self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, (value, new),
-                            nearby)
+                            nearby, p.ahead)
         self._window.trim(MAX_WINDOW)
 
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
                date: float, direction: Along | None = None,
-               judged: tuple[tuple[float, float], Tensor | None] | None = None, nearby: list[int] | None = None
-               ) -> None:
+               judged: tuple[tuple[float, float], Tensor | None] | None = None, nearby: list[int] | None = None,
+               ahead: Tensor | None = None) -> None:
         """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
         graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
@@ -219,12 +219,13 @@ class Sponsorship:
         copied, displaced = race(self._window, unit, date, NEAR_COPY, author=author, nearby=nearby)
         if copied:
             _bounded(self.judged, (author, seq), (0.0, 0.0))
-            self._window.append(Seen(unit, date, None, author=author, round=self._round))
+            self._window.append(Seen(unit, date, None, author=author, round=self._round, ahead=ahead))
             return
         if displaced:
             self._take_back(displaced, key)
         graduate = self.graduated(author, before=seq)
-        (value, keep), new = judged or (self._worths(sample[None], direction)[0], self._new_parts(sample[None])[0])
+        (value, keep), new = judged or (self._worths(sample[None], direction)[0],
+                                        unit_new_parts(sample[None], self._fresh)[0])
         _bounded(self.judged, (author, seq), (value, keep if graduate else 0.0))
         carry = self._carry
         if graduate:
@@ -235,7 +236,8 @@ class Sponsorship:
         elif value > 0 and not displaced and len(carry.proposals) < MAX_VOUCHES:
             carry.propose(key, step, factor, value, new)
         self.records.note(author, seq, value)
-        self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round))
+        self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round,
+                                 ahead=ahead))
 
     def _take_back(self, displaced: list[int], key: bytes | None) -> None:
         """Near copies that took credit before their original was judged: their marks go (and no sponsor's vouch
@@ -259,8 +261,11 @@ class Sponsorship:
         members' (`GRADUATE_SHARE * keep` of each step, over S). Drains them."""
         if not self.judging:
             return NOTHING
+        fresh_ahead: list[Tensor] = []  # the same at the next round's coordinates, for after the turn
         if theta is not None and self._at is not None and self._snapshots and int(self._at[-1]) < theta.numel():
             self._fresh = orthonormal(moves_at(theta, self._snapshots, self._at))  # what is no longer new
+            if self.judged_at.owns(self._at) and self.judged_at.turning:
+                fresh_ahead = orthonormal(moves_at(theta, self._snapshots, self.judged_at.ahead(theta.numel())))
         self.judge(current)
         carry, self._carry, sponsors = self._carry, Carry(), len(self.sponsors)
         (relay, weights), full = carry.relay(), carry.full
@@ -269,6 +274,7 @@ class Sponsorship:
         # is not relayed again), and a copy of last round's work is still a copy.
         self._window.keep([i for i, seen in enumerate(self._window.seen) if seen.round == self._round])
         self._round += 1
+        self._turn(fresh_ahead)
         share = 0.0
         if relay is not None and weights:
             total = sum(weights)  # crowded values: what the work was summed at
@@ -290,11 +296,16 @@ class Sponsorship:
                                                                        key=lambda kv: -kv[1])
         return Relayed(relay, pack_vouches(verdicts[:MAX_VOUCHES]), share, carry.carried / sponsors)
 
-    def _new_parts(self, samples: Tensor) -> list[Tensor | None]:
-        """Each row's part outside theta's recent moves, unit length (None if nothing): what crowding compares."""
-        parts = new_parts(samples, self._fresh)
-        norms = parts.norm(dim=1).tolist()
-        return [part / n if n > 0 and math.isfinite(n) else None for part, n in zip(parts, norms)]
+    def _turn(self, fresh: list[Tensor]) -> None:
+        """A round ended; every TURN_EVERY rounds we judge at new coordinates (sync/judged_at.py), and what we compare
+        across rounds (the copy window, the sponsors' latest updates, theta's recent moves) is read there from then
+        on. Not where a caller chose its own coordinates (`merged`'s `at`)."""
+        if not self.judged_at.owns(self._at) or not self.judged_at.rotate():
+            return
+        self._at = self.judged_at.now(self.judged_at.numel)
+        self._window.rotate()
+        self._latest.rotate(self._at)
+        self._fresh = fresh
 
     def vouched(self, sponsor: str, values: Iterable[tuple[bytes, float]]) -> None:
         """A sponsor's update merged here: count what each author's proposals were judged worth (views and
@@ -313,18 +324,15 @@ class Sponsorship:
         we know theta's recent moves, by the cosine of its part outside them with `direction` (our pseudo-gradient
         of its phase, the same part); before, by its cosine with the sum of the sponsors' latest updates or, if
         larger, with `direction`."""
-        if self.self_id not in self._latest:
+        if self.self_id not in self._latest.now:
             return [(0.0, 0.0)] * samples.shape[0]  # no work of our own yet to judge by
-        if self._basis is None:
-            latest = list(self._latest.values())  # the length: one update's, not the sum's
-            self._basis = along(torch.stack(latest).sum(0)), sum(float(x.norm()) for x in latest) / len(latest)
-        basis, length = self._basis
+        basis, length = self._latest.basis()
         if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
             length = min(length, self._own_length)
         if self._fresh:  # only what is new is worth anything: an echo of theta's recent moves is not
             # Only the sponsors' updates: honest proposals of one phase share what none of them has merged yet,
             # and their new parts are as near each other (up to 0.82) as an echo's is to its source's.
-            echoes = echoing(samples, self._fresh, torch.stack(list(self._latest.values())), ECHO_OF)
+            echoes = echoing(samples, self._fresh, torch.stack(list(self._latest.now.values())), ECHO_OF)
             return worths(samples, self._fresh, (direction,), length, GRADUATE_SHARE, PROVEN, echoes)
         return worths(samples, [], (basis, direction), length, GRADUATE_SHARE, PROVEN)
 

@@ -64,7 +64,7 @@ class Standing:
 
     def __init__(self, *, probation: float, min_agreement: float, max_norm_ratio: float,
                  full_agreement: float = 0.0, copy_cosine: float = COPY_COSINE, self_id: str = "",
-                 sponsors: Sequence[str] = (), run_id: str = "") -> None:
+                 sponsors: Sequence[str] = (), run_id: str = "", judge_seed: int | None = None) -> None:
         if not (0.0 < probation and math.isfinite(probation)):
             raise ValueError(f"probation must be a positive number, got {probation}")
         self.probation = probation
@@ -76,7 +76,7 @@ class Standing:
         self.authors = Authors(self_id)
         self.reference = Reference()
         self.copies = CopyWindow()
-        self.sponsorship = Sponsorship(sponsors, self_id, run_id)
+        self.sponsorship = Sponsorship(sponsors, self_id, run_id, judge_seed)
         self.stats: dict[str, int] = {"proposal": 0, "probation": 0, "low_agreement": 0, "disagrees": 0, "too_long": 0,
                                       "copy": 0, "negated_copy": 0, TIED: 0, "distrusted": 0, "unvetted": 0}
         self._found: list[tuple[str, int, str]] = []  # copies found after they merged (`copies_found`)
@@ -84,12 +84,13 @@ class Standing:
         self._suppressed = 0
 
     @classmethod
-    def from_spec(cls, spec: RunSpec, *, self_id: str = "") -> Standing:
-        """The standing of `spec`'s run (its `defence` section) for the replica of peer `self_id`."""
+    def from_spec(cls, spec: RunSpec, *, self_id: str = "", judge_seed: int | None = None) -> Standing:
+        """The standing of `spec`'s run (its `defence` section) for the replica of peer `self_id` (`judge_seed`:
+        a sponsor's secret, sync/sponsorship.py `sample_at`)."""
         d = spec.defence
         return cls(probation=d.probation, min_agreement=d.min_agreement, copy_cosine=d.copy_cosine,
                    max_norm_ratio=d.max_norm_ratio, full_agreement=d.full_agreement, self_id=self_id,
-                   sponsors=d.sponsors, run_id=spec.run_id)
+                   sponsors=d.sponsors, run_id=spec.run_id, judge_seed=judge_seed)
 
     @property
     def distrusted(self) -> OrderedDict[str, str]:
@@ -171,7 +172,7 @@ class Standing:
         sample = at = None
         if sponsorship.judging:  # in theta's units, the signed weight included: lengths compare steps, not payloads
             source = Decoded.of(step if step is not None else delta)
-            at = self.copies.sample_at(source.numel)
+            at = sponsorship.sample_at(source.numel)
             sample = source.take(at) * factor
         sponsorship.merged(sender, seq, sample, step, factor, at, update_id=update_id, now=now)
         if vouches:
@@ -180,7 +181,9 @@ class Standing:
     def sample_indices(self, numel: int) -> list[Tensor]:
         """The coordinates `judge` and `observe` read of a payload of `numel` values: screening takes them in
         its one pass over the payload (sync/decoded.py `Decoded.want`), outside the replica's lock."""
-        ats = [self.copies.sample_at(numel)] if self.copy_cosine > 0 or self.sponsorship.active else []
+        ats = [self.copies.sample_at(numel)] if self.copy_cosine > 0 else []
+        if self.sponsorship.judging:
+            ats.append(self.sponsorship.sample_at(numel))
         at = self.reference.sample_at(numel)
         return ats if at is None else [*ats, at]
 

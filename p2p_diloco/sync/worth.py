@@ -1,5 +1,5 @@
-"""What a proposal is worth to a sponsor (sync/sponsorship.py): FLTrust's rule (Cao et al. 2021) on the copy
-window's sampled coordinates. Pure: no state, no I/O.
+"""What a proposal is worth to a sponsor (sync/sponsorship.py): FLTrust's rule (Cao et al. 2021) on the
+sponsor's own secret sample of the coordinates (sync/sponsorship.py `sample_at`). Pure: no state, no I/O.
 
 `v = max(0, cos) * min(1, length / |u|)`, `cos` the larger of the proposal's cosines with the directions it is
 judged by, `length` what one sponsor's update measures (a longer proposal is scaled down: work scaled up within

@@ -15,14 +15,14 @@ the replica's lock makes the merge and the snapshot atomic.
 
 Devices: phi, its AdamW state and the batches live on `device` (a GPU if the peer has one); theta, the version
 vector, the outer state and the codecs stay on the CPU in float32. That is the network-facing state: merged by
-another thread, and bit-identical on every peer whatever device it trains on. Crossing points: `begin_phase`
-and `_rebase` (CPU -> device) and `finish_phase` (device -> CPU).
+another thread, and bit-identical on every peer whatever device it trains on. Crossing points: `begin_phase` and
+`_rebase` (CPU -> device) and `finish_phase` (device -> CPU).
 
-Restart (train/state/manager.py): `state_dict` / `load_state_dict` carry everything a restarted unit needs
-(theta and V, m and e, the inner AdamW state, the data position, its own last seq, the RNG); `persist_update`,
-if set, makes each signed update durable before it is merged or published, and `adopt_own_updates` takes
-those back after a restart. Sequence numbers come from `last_seq`, never from the replica alone: a restarted
-unit must not sign different content under a seq it has used before (receivers would see equivocation).
+Restart (train/state/manager.py): `state_dict` / `load_state_dict` carry everything a restarted unit needs (theta
+and V, m and e, the inner AdamW state, the data position, its own last seq, the RNG); `persist_update`, if set,
+makes each signed update durable before it is merged or published, and `adopt_own_updates` takes those back after a
+restart. Sequence numbers come from `last_seq`, never from the replica alone: a restarted unit must not sign
+different content under a seq it has used before (receivers would see equivocation).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Learner:
     def __init__(self, spec: RunSpec, identity: Identity, corpus: Corpus | Any, *, shard: int, num_shards: int,
                  replica_state: tuple[torch.Tensor, VersionVector] | None = None, device: str = "cpu",
                  compute: Compute | None = None, unit: SoloUnit | None = None, stream: str = "",
-                 outer_state_dir: str = ""):
+                 outer_state_dir: str = "", judge_seed: int | None = None):
         self.spec = spec.validate()
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -92,20 +92,20 @@ class Learner:
         self.numel = theta.numel()
         self.codec = get_codec(spec.outer.codec, spec.outer.codec_block)  # the peer's one codec: shared below
         self.sender_limit = MergePolicy.from_spec(spec).sender_limit  # our payload stays inside every peer's bound
-        self.replica = Replica.from_spec(spec, theta, codec=self.codec, self_id=self.peer_id)
+        # Where a sponsor judges (sync/sponsorship.py `sample_at`): a secret of its key, or the simulator's seed.
+        judge_seed = identity.secret(b"judge " + spec.run_id.encode()) if judge_seed is None else judge_seed
+        self.replica = Replica.from_spec(spec, theta, codec=self.codec, self_id=self.peer_id, judge_seed=judge_seed)
         if replica_state is not None:
             self.replica.load(*replica_state)
         self.spec_hash = spec.spec_hash()
         self.optimizer = make_inner_optimizer(self.model, spec.inner)  # after the move: AdamW state on the device
-        # m and e in files under outer_state_dir, out of memory during the inner steps (OuterState.in_files)
-        self.outer_state = OuterState.in_files(self.numel, outer_state_dir) if outer_state_dir \
-            else OuterState.zeros(self.numel)
+        in_files = OuterState.in_files  # m and e in files under outer_state_dir, out of memory during inner steps
+        self.outer_state = in_files(self.numel, outer_state_dir) if outer_state_dir else OuterState.zeros(self.numel)
         self.sampler = make_sampler(corpus, spec, self.peer_id, shard=shard, num_shards=num_shards, stream=stream)
         self.step = 0  # cumulative inner steps: the schedule's clock and the data position
         self.last_seq = 0  # the highest seq this identity has signed (in this run, across restarts)
         self.round_weight = 0.0  # one round's share of the swarm's samples in our last update: `may_stretch`
-        # Called with each signed update before it can be seen (merged into the replica, which the snapshot
-        # server serves, or published): the checkpoint journal. None: no restart support.
+        # Each signed update before it is merged (served) or published: the checkpoint journal (None: no restarts).
         self.persist_update: Callable[[OuterUpdate], None] | None = None
         self.history: list[dict] = []
         self._eval_model: torch.nn.Module | None = None  # only for an evaluation in the middle of a phase

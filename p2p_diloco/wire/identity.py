@@ -13,6 +13,7 @@ The protobufs involved are fixed byte layouts for Ed25519 and are written by han
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -58,6 +59,12 @@ class Identity:
     def sign(self, data: bytes) -> bytes:
         """A 64-byte Ed25519 signature of `data`."""
         return self._private_key.sign(data)
+
+    def secret(self, purpose: bytes) -> int:
+        """A 62-bit number only this key's holder can know, the same at every call and restart: a digest of the
+        key's (deterministic, RFC 8032) signature of `purpose`. Nothing it signs is ever sent."""
+        digest = hashlib.sha256(self.sign(b"p2p-diloco secret\0" + purpose)).digest()
+        return int.from_bytes(digest[:8], "big") >> 2
 
     def to_protobuf(self) -> bytes:
         """The key in libp2p's protobuf PrivateKey format (what `save` writes)."""

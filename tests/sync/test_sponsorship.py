@@ -16,7 +16,6 @@ from test_replica import DIM, MAX_WEIGHT, OUTER_LR, FnCodec, decode, theta0
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.sync import sponsorship as sponsorship_module
-from p2p_diloco.sync.copies import COPY_SEED
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.sponsorship import PROVEN, Relayed, Sponsorship
 from p2p_diloco.sync.standing import Standing
@@ -69,7 +68,7 @@ def test_proposals_merge_at_zero_and_a_sponsor_relays_one_share_for_all_of_them(
     assert key(negated) not in values and len(values) >= 15
     # Each relayed at its value over its crowding (sync/relayed.py): 1 + its positive cosines with the others.
     relayed = [u for u in honest if key(u) in values]
-    at = torch.randint(0, DIM, (DIM,), generator=torch.Generator().manual_seed(COPY_SEED)).sort().values  # sampled
+    at = s1.standing.sponsorship.sample_at(DIM)  # where the sponsor read them
     units = [torch.tensor(u.payload)[at] / torch.tensor(u.payload)[at].norm() for u in relayed]
     weights = [values[key(u)] / sum(max(0.0, float(units[i] @ unit)) for unit in units) for i, u in enumerate(relayed)]
     assert all(w < values[key(u)] / 2 for w, u in zip(weights, relayed))  # they share `own`: crowded
