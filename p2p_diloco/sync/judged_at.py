@@ -101,9 +101,9 @@ class JudgedAt:
 
 
 class Latest:
-    """Each sponsor's latest update as a sponsor judges by it (sync/sponsorship.py): its sample at this round's
-    coordinates (`now`), at the next round's, and a reference to its step, to sample again when a round turns
-    before a newer one came (a slower sponsor)."""
+    """Each sponsor's latest update as a sponsor judges by it (sync/sponsorship.py): its sample at this period's
+    coordinates (`now`), at the next period's if it came in a period's last round, and a reference to another
+    sponsor's step, to read again when the coordinates turn before a newer one came."""
 
     def __init__(self) -> None:
         self.now: dict[str, Tensor] = {}
@@ -127,8 +127,8 @@ class Latest:
             self._steps[author] = (step, factor)
 
     def rotate(self, at: Tensor | None) -> None:
-        """The round turned: each sample at the new round's coordinates `at` (taken again if not taken ahead; one
-        whose step is not held is dropped)."""
+        """The coordinates turned: each sample at the new ones `at` (read again from its step if not gathered there
+        ahead; dropped if its step is not held: our own, whose next update comes right after the turn)."""
         self._basis = None
         for author in list(self.now):
             if author in self._ahead:

@@ -45,7 +45,7 @@ def test_under_timing_noise_a_volunteer_copied_by_a_causal_crowd_graduates_with_
     volunteer's): no copier graduates, and with heralds nothing of the crowd's is relayed (bench_copy_races.py)."""
     sim = SimConfig(join=(f"{STEPS // 6}",), grace=0.5, phase_jitter=0.15, latency_jitter_s=0.1, start_spread_s=1.0)
     _graduates_from_its_third_update(sim, CrowdAttack(10, "copy", source=3, causal=True), crowd_relayed=0.0,
-                                     at_least=2)
+                                     at_least=2, dips=2)
 
 
 @pytest.mark.slow  # the default suite's representative: the first test
@@ -58,14 +58,18 @@ def test_under_timing_noise_heralds_hold_the_adjacent_crowd_off_when_a_payload_t
     sim = SimConfig(join=(f"{STEPS // 6}",), grace=0.5, phase_jitter=0.15, latency_jitter_s=0.1, start_spread_s=1.0,
                     bandwidth_mbps=10.0)
     _graduates_from_its_third_update(sim, CrowdAttack(10, "copy", source=3, adjacent=True), crowd_relayed=0.0,
-                                     at_least=2)
+                                     at_least=2, dips=2)
 
 
 def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, crowd_relayed: float,
-                                     first: int = RECORD + 1, at_least: int = 3) -> None:
+                                     first: int = RECORD + 1, at_least: int = 3, dips: int = 0) -> None:
     """From its update `first` on, at least `at_least` of the 3 sponsors relay each of the volunteer's updates as a
-    member's. Under timing noise a sponsor judges what is new in an update (sync/sponsorship.py "Echoes") near
-    PROVEN, and one of the three may skip some (BENCHMARKS "Echo crowds")."""
+    member's, but for at most `dips` of them, which at least one does. Under timing noise a sponsor judges what is
+    new in an update (sync/sponsorship.py "Echoes") near PROVEN, and one of the three may skip some (BENCHMARKS
+    "Echo crowds"); which coordinates a sponsor reads (sync/judged_at.py) decides some of those: with a sponsor's own
+    coordinates up to two later updates were carried by one sponsor only (one, traced: the others flagged it as an
+    echo of a sponsor's update that relayed the volunteer's own earlier work; BENCHMARKS "Judged where nobody can
+    aim")."""
     spec = _spec()
     sim = dataclasses.replace(timing, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
                               eval_every_s=float(STEPS))
@@ -78,8 +82,9 @@ def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, cro
     by_seq = {seq: shares for seq, shares in everywhere.items() if len(shares) == 3}
     assert len(by_seq) >= 5 and set(everywhere) - set(by_seq) <= {max(everywhere)}, everywhere
     assert not any(by_seq[1]) and not any(by_seq[2]), by_seq  # its first RECORD updates: a newcomer's share
-    for seq in range(first, max(by_seq) + 1):
-        assert sum(share > 0 for share in by_seq[seq]) >= at_least, by_seq  # from its 3rd (`first`)
+    carried = [sum(share > 0 for share in by_seq[seq]) for seq in range(first, max(by_seq) + 1)]
+    assert carried[0] >= at_least and min(carried) >= 1, by_seq  # from its 3rd (`first`)
+    assert sum(n < at_least for n in carried) <= dips, by_seq
     crowd = {identity.peer_id for identity in swarm.crowd}
     for p in swarm.peers[:3]:
         sponsorship = p.learner.replica.standing.sponsorship
