@@ -111,8 +111,8 @@ class Seen(NamedTuple):
     round: int = 0
     """The sponsor's round it merged in: the window holds this round's and the last one's (`Sponsorship.relay`)."""
     ahead: Tensor | None = None
-    """Its sample at the next round's coordinates (sync/judged_at.py): its row, at unit length, once the round turns.
-    The window keeps it in a matrix beside the rows; the entry itself holds None."""
+    """Its sample at the next period's coordinates, if gathered there (sync/judged_at.py): its row, at unit length,
+    once they turn. The window keeps it in a matrix beside the rows; the entry itself holds None."""
 
 
 class Window:
@@ -123,7 +123,7 @@ class Window:
     def __init__(self) -> None:
         self.seen: list[Seen] = []
         self._rows: Tensor | None = None  # row i: seen[i].unit; capacity grows by doubling
-        self._ahead: Tensor | None = None  # row i: seen[i]'s sample at the next round's coordinates, if given
+        self._ahead: Tensor | None = None  # row i: seen[i]'s sample at the next period's coordinates, if given
         self._has_ahead: list[bool] = []
 
     def __len__(self) -> int:
@@ -161,8 +161,8 @@ class Window:
         self._has_ahead = [self._has_ahead[i] for i in which]
 
     def rotate(self) -> None:
-        """The round turned (sync/judged_at.py): each entry's row becomes its sample at the new round's coordinates,
-        at unit length (all at once); an entry that came without one is dropped."""
+        """The coordinates turned (sync/judged_at.py): each entry's row becomes its sample at the new ones, at unit
+        length (all at once); an entry that came without one is dropped."""
         self.keep([i for i, has in enumerate(self._has_ahead) if has])
         n = len(self.seen)
         if n and self._rows is not None and self._ahead is not None:
@@ -214,9 +214,7 @@ def race(window: Window, unit: Tensor, date: float, near: float, *, sponsor: boo
     return copied, later
 
 
-def unit_of(sample: Tensor | None) -> Tensor | None:
-    """A sample at unit length, as the copy window holds it (None for none, a zero or a non-finite one)."""
-    if sample is None:
-        return None
+def unit_of(sample: Tensor) -> Tensor | None:
+    """A sample at unit length, as the copy window holds it (None for a zero or non-finite one)."""
     norm = float(sample.norm())
     return sample / norm if norm > 0 and math.isfinite(norm) else None

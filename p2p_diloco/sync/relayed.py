@@ -60,7 +60,7 @@ class Pending(NamedTuple):
     step: Tensor | Decoded
     factor: float
     date: float
-    ahead: Tensor | None = None  # its sample at the next round's coordinates (sync/judged_at.py)
+    ahead: Tensor | None = None  # its sample at the next period's coordinates, if gathered (sync/judged_at.py)
 
 
 class Carry:

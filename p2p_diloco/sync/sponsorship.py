@@ -23,8 +23,8 @@ later (one more round of staleness), and a sponsor spends one parameter-sized fl
 How a sponsor judges (FLTrust's rule, Cao et al. 2021, with the founders' work as the root data), at the end of
 the phase the proposal merged in: the cosine of the proposal with the sum of every sponsor's latest update or, if
 larger, with the sponsor's pseudo-gradient of that phase (a proposer rebases onto what merges while it trains:
-BENCHMARKS "What a proposal points along"), on 4,096 coordinates only this sponsor knows, drawn again every round
-(sync/judged_at.py: the copy test's are public), floored at 0, scaled down
+BENCHMARKS "What a proposal points along"), on 4,096 coordinates only this sponsor knows, drawn again every few
+rounds (sync/judged_at.py: the copy test's are public), floored at 0, scaled down
 when the proposal is longer than a sponsor's update, `v = max(0, cos) * min(1, mean_s |u_s| / |u|)`, and 0 for a
 near copy (|cos| >= NEAR_COPY) of another author's update merged this round or the last and dated before it (by
 its herald, sync/heralds.py; one dated after it that took the credit first gives it over): a crowd re-signing
@@ -103,7 +103,7 @@ class Sponsorship:
         self.sponsors = frozenset(sponsors)
         self.self_id, self.run_id = self_id, run_id
         self.seed = secrets.randbits(62) if seed is None else seed
-        self.judged_at = JudgedAt(self.seed)  # where we read what we judge, drawn again every round
+        self.judged_at = JudgedAt(self.seed)  # where we read what we judge, drawn again every TURN_EVERY rounds
         self.earned: OrderedDict[str, float] = OrderedDict()  # author -> what sponsors judged its work worth
         self.relayed: OrderedDict[str, float] = OrderedDict()  # at a sponsor: author -> updates' worth relayed
         self._authors: OrderedDict[bytes, tuple[str, int]] = OrderedDict()  # proposals merged: slot key -> slot
@@ -124,8 +124,8 @@ class Sponsorship:
         self._fresh: list[Tensor] = []  # theta's moves at our last relay, sampled, orthonormal: echoes (`_value`)
 
     def sample_at(self, numel: int) -> Tensor:
-        """Where we read every update we judge: this round's coordinates and the next round's, secret, not the copy
-        test's public ones (sync/judged_at.py)."""
+        """Where we read every update we judge: this period's coordinates (and, in its last round, the next one's),
+        secret, not the copy test's public ones (sync/judged_at.py)."""
         return self.judged_at.both(numel)
 
     @property
@@ -163,7 +163,7 @@ class Sponsorship:
         near copies are ranked by date (`update_id`, `now`: its herald's, sync/heralds.py; merge order without)."""
         key = slot_key(self.run_id, author, seq)
         ahead = None
-        if sample is not None:  # gathered at this round's coordinates and the next's
+        if sample is not None:  # gathered at this period's coordinates, in its last round the next one's too
             sample, ahead, at = self.judged_at.split(sample, at)
         if at is not None:
             self._at = at
@@ -261,7 +261,7 @@ class Sponsorship:
         members' (`GRADUATE_SHARE * keep` of each step, over S). Drains them."""
         if not self.judging:
             return NOTHING
-        fresh_ahead: list[Tensor] = []  # the same at the next round's coordinates, for after the turn
+        fresh_ahead: list[Tensor] = []  # the same at the next period's coordinates, for after a turn
         if theta is not None and self._at is not None and self._snapshots and int(self._at[-1]) < theta.numel():
             self._fresh = orthonormal(moves_at(theta, self._snapshots, self._at))  # what is no longer new
             if self.judged_at.owns(self._at) and self.judged_at.turning:
