@@ -102,8 +102,8 @@ class Sponsorship:
         """`seed`: where we judge (`sample_at`), a secret (a peer's key's: `Identity.secret`; None: a random one)."""
         self.sponsors = frozenset(sponsors)
         self.self_id, self.run_id = self_id, run_id
-        self.seed = secrets.randbits(62) if seed is None else seed
-        self.judged_at = JudgedAt(self.seed)  # where we read what we judge, drawn again every TURN_EVERY rounds
+        # Where we read what we judge, drawn again every TURN_EVERY rounds.
+        self.judged_at = JudgedAt(secrets.randbits(62) if seed is None else seed)
         self.earned: OrderedDict[str, float] = OrderedDict()  # author -> what sponsors judged its work worth
         self.relayed: OrderedDict[str, float] = OrderedDict()  # at a sponsor: author -> updates' worth relayed
         self._authors: OrderedDict[bytes, tuple[str, int]] = OrderedDict()  # proposals merged: slot key -> slot

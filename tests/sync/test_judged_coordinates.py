@@ -53,7 +53,7 @@ def test_a_sponsor_reads_its_own_coordinates_drawn_again_every_few_rounds() -> N
     for _ in range(TURN_EVERY):
         again.rotate()
     assert torch.equal(again.now(NUMEL), judged_at.now(NUMEL))  # a pure function of (seed, round)
-    assert Sponsorship(SPONSORS, "s1").seed != Sponsorship(SPONSORS, "s1").seed  # no seed given: a random one
+    assert Sponsorship(SPONSORS, "s1").judged_at.seed != Sponsorship(SPONSORS, "s1").judged_at.seed  # a random one
 
 
 def update(sender: str, seq: int, payload: torch.Tensor) -> FakeUpdate:
