@@ -62,14 +62,13 @@ def test_under_timing_noise_heralds_hold_the_adjacent_crowd_off_when_a_payload_t
 
 
 def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, crowd_relayed: float,
-                                     first: int = RECORD + 1, at_least: int = 3, dips: int = 0) -> None:
+                                     first: int = RECORD + 1, at_least: int = 3) -> None:
     """From its update `first` on, at least `at_least` of the 3 sponsors relay each of the volunteer's updates as a
-    member's, but for at most `dips` of them, which at least one does. Under timing noise a sponsor judges what is
-    new in an update (sync/sponsorship.py "Echoes") near PROVEN, and one of the three may skip some (BENCHMARKS
-    "Echo crowds"). With the echo test's bar at 0.5 and a sponsor's own coordinates (sync/judged_at.py), the
-    volunteer's 6th was carried by one sponsor only: two flagged it as an echo of a sponsor's latest update at |cos|
-    0.50 (its own relayed work is not why: taken out of both, 0.54); at ECHO_OF = 0.65 it is carried by 2 (BENCHMARKS
-    "The echo bar")."""
+    member's. Under timing noise a sponsor judges what is new in an update (sync/sponsorship.py "Echoes") near
+    PROVEN, and one of the three may skip some (BENCHMARKS "Echo crowds"). With the echo test's bar at 0.5 and a
+    sponsor's own coordinates (sync/judged_at.py), the volunteer's 6th was carried by one sponsor only: two flagged
+    it as an echo of a sponsor's latest update at |cos| 0.50 (its own relayed work is not why: taken out of both,
+    0.54); at ECHO_OF = 0.65 it is carried by 2 (BENCHMARKS "The echo bar")."""
     spec = _spec()
     sim = dataclasses.replace(timing, peers=3, sponsors=3, total_steps=STEPS + STEPS // 3, eval_batches=8,
                               eval_every_s=float(STEPS))
@@ -83,8 +82,7 @@ def _graduates_from_its_third_update(timing: SimConfig, attack: CrowdAttack, cro
     assert len(by_seq) >= 5 and set(everywhere) - set(by_seq) <= {max(everywhere)}, everywhere
     assert not any(by_seq[1]) and not any(by_seq[2]), by_seq  # its first RECORD updates: a newcomer's share
     carried = [sum(share > 0 for share in by_seq[seq]) for seq in range(first, max(by_seq) + 1)]
-    assert carried[0] >= at_least and min(carried) >= 1, by_seq  # from its 3rd (`first`)
-    assert sum(n < at_least for n in carried) <= dips, by_seq
+    assert min(carried) >= at_least, by_seq  # from its 3rd (`first`)
     crowd = {identity.peer_id for identity in swarm.crowd}
     for p in swarm.peers[:3]:
         sponsorship = p.learner.replica.standing.sponsorship
