@@ -4,9 +4,13 @@
 Wire format (msgpack):
     envelope = {"v": FORMAT_VERSION, "h": header_bytes, "s": signature, "p": payload}
     header   = [run_id, spec_hash, sender, seq, tau, samples, weight, codec, numel, payload_len,
-                payload_digest, created_at(, vouches)]            (a msgpack array in this fixed order)
-    vouches  = a sponsor's verdicts on others' updates (sync/sponsorship.py), present only when not empty:
-               VOUCH_BYTES per verdict, the judged slot's key (wire/vouches.py) then its value in 1/65535ths
+                payload_digest, created_at(, vouches(, data))]     (a msgpack array in this fixed order)
+    vouches  = a sponsor's verdicts on others' updates (sync/sponsorship.py), present only when not empty (or
+               when `data` follows): VOUCH_BYTES per verdict, the judged slot's key (wire/vouches.py) then its
+               value in 1/65535ths
+    data     = where the update's phase read its data, present only when declared: [first_step, steps, shard,
+               num_shards, salted] (`DataPosition`), so that a judge can redraw the batches it was trained on
+               (train/fit.py)
     signature = Ed25519 over UPDATE_DOMAIN-tagged header_bytes, by the key inside `sender` (a PeerID)
 
 The signature covers the header and, through `payload_digest` (sha256), the payload. `decode_update` checks size,
@@ -30,7 +34,8 @@ from typing import Any
 import msgpack
 
 from p2p_diloco.wire.codecs import CODEC_NAMES, Payload
-from p2p_diloco.wire.identity import Identity, IdentityError, public_key_from_peer_id, verify
+from p2p_diloco.wire.identity import Identity, IdentityError, public_key_from_peer_id, sign_blob, verify_blob
+from p2p_diloco.wire.position import DataPosition, position_error
 from p2p_diloco.wire.vouches import MAX_VOUCHES, VOUCH_BYTES
 
 FORMAT_VERSION = 1
@@ -92,15 +97,25 @@ class UpdateHeader:
     """Sender's wall clock at signing, seconds since the epoch (informational; never trusted for ordering)."""
     vouches: bytes = b""
     """A sponsor's verdicts (wire/vouches.py); empty for everyone else, and then absent from the encoding."""
+    data: tuple[int, ...] = ()
+    """Where the phase read its data (`DataPosition`), if the author declares it (a proposer in a run with
+    sponsors); empty otherwise, and then absent from the encoding."""
 
     def to_list(self) -> list[Any]:
         fields = [self.run_id, self.spec_hash, self.sender, self.seq, self.tau, self.samples, self.weight,
                   self.codec, self.numel, self.payload_len, self.payload_digest, self.created_at]
+        if self.data:
+            return [*fields, self.vouches, list(self.data)]
         return [*fields, self.vouches] if self.vouches else fields
 
+    @property
+    def position(self) -> DataPosition | None:
+        """The declared data position, or None."""
+        return DataPosition(*self.data) if self.data else None
 
 
-_HEADER_FIELDS = len(UpdateHeader.__dataclass_fields__)  # with vouches; one less without
+
+_HEADER_FIELDS = len(UpdateHeader.__dataclass_fields__)  # with vouches and data; one or two less without
 
 
 @dataclass(frozen=True)
@@ -161,31 +176,10 @@ def retained(u: OuterUpdate) -> OuterUpdate:
     return kept
 
 
-def sign_blob(identity: Identity, domain: bytes, blob: bytes) -> bytes:
-    """Sign `blob` under a domain-separation tag, so a signature made for one kind of object never verifies as
-    another (an update header replayed as a DHT record or a state-sync manifest)."""
-    return identity.sign(_tagged(domain, blob))
-
-
-def verify_blob(peer_id: str | bytes, domain: bytes, blob: bytes, signature: bytes) -> bool:
-    """True iff `signature` is `sign_blob(<peer_id's identity>, domain, blob)`; never raises."""
-    try:
-        message = _tagged(domain, blob)
-    except (TypeError, ValueError):
-        return False
-    return verify(peer_id, message, signature)
-
-
-def _tagged(domain: bytes, blob: bytes) -> bytes:
-    # Length-prefixed, so no (domain, blob) pair can collide with another whose domain is a prefix of it.
-    if not isinstance(domain, bytes) or not 0 < len(domain) < 256:
-        raise ValueError("domain must be 1..255 bytes")
-    return bytes([len(domain)]) + domain + bytes(blob)
-
-
 def make_update(*, run_id: str, spec_hash: str, seq: int, tau: int, samples: int, weight: float, codec: str,
                 numel: int, payload: bytes, identity: Identity, sender: str | None = None,
-                created_at: float | None = None, vouches: bytes = b"") -> OuterUpdate:
+                created_at: float | None = None, vouches: bytes = b"",
+                data: DataPosition | None = None) -> OuterUpdate:
     """Build and sign an update from `identity`; the sender, payload length and digest are filled in here.
 
     `sender` is optional and, if given, must be `identity.peer_id` (a guard for callers that track it apart).
@@ -197,6 +191,7 @@ def make_update(*, run_id: str, spec_hash: str, seq: int, tau: int, samples: int
         weight=float(weight), codec=codec, numel=numel, payload_len=len(payload),
         payload_digest=hashlib.sha256(payload).digest(),
         created_at=float(time.time() if created_at is None else created_at), vouches=vouches,
+        data=tuple(data) if data is not None else (),
     )
     _check_header(header)  # a local bug surfaces here, not as every receiver's rejection
     header_bytes = msgpack.packb(header.to_list(), use_bin_type=True)
@@ -291,8 +286,12 @@ def decode_header(header_bytes: bytes) -> UpdateHeader:
         raise WireError("bad_header", f"header is {len(header_bytes)} bytes, limit {MAX_HEADER_BYTES}")
     fields = _unpack(header_bytes, "bad_header", max_bin_len=MAX_VOUCHES * VOUCH_BYTES, max_str_len=MAX_NAME_CHARS,
                      max_array_len=_HEADER_FIELDS, max_map_len=0)
-    if not isinstance(fields, list) or len(fields) not in (_HEADER_FIELDS - 1, _HEADER_FIELDS):
-        raise WireError("bad_header", f"header must be an array of {_HEADER_FIELDS - 1} or {_HEADER_FIELDS} fields")
+    if not isinstance(fields, list) or not _HEADER_FIELDS - 2 <= len(fields) <= _HEADER_FIELDS:
+        raise WireError("bad_header", f"header must be an array of {_HEADER_FIELDS - 2} to {_HEADER_FIELDS} fields")
+    if len(fields) == _HEADER_FIELDS:  # the data position: an array of ints, kept as a tuple (hashable, frozen)
+        if not isinstance(fields[-1], list) or not fields[-1]:
+            raise WireError("bad_header", "data must be a non-empty array")
+        fields[-1] = tuple(fields[-1])
     header = UpdateHeader(*fields)
     _check_header(header)
     # One encoding per header: update_id then depends only on the header's content.
@@ -332,6 +331,9 @@ def _check_header(h: UpdateHeader) -> None:
         raise bad("payload_digest", f"must be {DIGEST_BYTES} bytes (sha256)")
     if type(h.vouches) is not bytes or len(h.vouches) % VOUCH_BYTES or len(h.vouches) > MAX_VOUCHES * VOUCH_BYTES:
         raise bad("vouches", f"must be up to {MAX_VOUCHES} x {VOUCH_BYTES} bytes")
+    why = position_error(h.data) if h.data else ""
+    if why:
+        raise bad("data", why)
 
 
 def _short_repr(value: Any) -> str:

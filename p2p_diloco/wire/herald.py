@@ -23,8 +23,8 @@ from p2p_diloco.wire.envelope import (
     UpdateHeader,
     WireError,
     decode_header,
-    verify_blob,
 )
+from p2p_diloco.wire.identity import verify_blob
 
 MAX_HERALD_BYTES = MAX_HEADER_BYTES + SIGNATURE_BYTES + 64
 """The largest herald a receiver reads (the envelope's framing is a few bytes)."""

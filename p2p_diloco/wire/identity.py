@@ -182,3 +182,25 @@ def verify(peer_id: str | bytes, data: bytes, signature: bytes) -> bool:
         return True
     except (InvalidSignature, ValueError, TypeError):  # IdentityError is a ValueError
         return False
+
+
+def sign_blob(identity: Identity, domain: bytes, blob: bytes) -> bytes:
+    """Sign `blob` under a domain-separation tag, so a signature made for one kind of object never verifies as
+    another (an update header replayed as a DHT record or a state-sync manifest)."""
+    return identity.sign(_tagged(domain, blob))
+
+
+def verify_blob(peer_id: str | bytes, domain: bytes, blob: bytes, signature: bytes) -> bool:
+    """True iff `signature` is `sign_blob(<peer_id's identity>, domain, blob)`; never raises."""
+    try:
+        message = _tagged(domain, blob)
+    except (TypeError, ValueError):
+        return False
+    return verify(peer_id, message, signature)
+
+
+def _tagged(domain: bytes, blob: bytes) -> bytes:
+    # Length-prefixed, so no (domain, blob) pair can collide with another whose domain is a prefix of it.
+    if not isinstance(domain, bytes) or not 0 < len(domain) < 256:
+        raise ValueError("domain must be 1..255 bytes")
+    return bytes([len(domain)]) + domain + bytes(blob)

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from p2p_diloco.wire.envelope import sign_blob, verify_blob
-from p2p_diloco.wire.identity import Identity, IdentityError, public_key_from_peer_id
+from p2p_diloco.wire.identity import Identity, IdentityError, public_key_from_peer_id, sign_blob, verify_blob
 
 INVITE_DOMAIN = b"p2p-diloco/invitation/v1"
 REVOKE_DOMAIN = b"p2p-diloco/revocation/v1"

@@ -21,7 +21,8 @@ from fuzz import harness, seeds, targets
 from p2p_diloco.net.statesync.manifest import DonorError, parse_manifest
 from p2p_diloco.wire import codecs, envelope
 from p2p_diloco.wire.codecs import CODEC_NAMES
-from p2p_diloco.wire.envelope import MAX_DETAIL_CHARS, UPDATE_DOMAIN, WireError, decode_update, sign_blob
+from p2p_diloco.wire.envelope import MAX_DETAIL_CHARS, UPDATE_DOMAIN, WireError, decode_update
+from p2p_diloco.wire.identity import sign_blob
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 F = seeds.fixtures()

@@ -19,9 +19,9 @@ from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.wire.codecs import get_codec
-from p2p_diloco.wire.envelope import FORMAT_VERSION, UPDATE_DOMAIN, make_update, sign_blob
+from p2p_diloco.wire.envelope import FORMAT_VERSION, UPDATE_DOMAIN, make_update
 from p2p_diloco.wire.herald import encode_herald
-from p2p_diloco.wire.identity import Identity
+from p2p_diloco.wire.identity import Identity, sign_blob
 from tests.net.test_gossip import NUMEL, QUIET, SPEC, wait_until
 
 CODEC = get_codec(SPEC.outer.codec, SPEC.outer.codec_block)

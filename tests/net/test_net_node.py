@@ -37,8 +37,7 @@ from p2p_diloco.net.discovery.records import (
 )
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import NodeConfig, NodeError, SwarmNode, parse_multiaddr
-from p2p_diloco.wire.envelope import sign_blob
-from p2p_diloco.wire.identity import Identity
+from p2p_diloco.wire.identity import Identity, sign_blob
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,8 +26,7 @@ from p2p_diloco.net.transport import rpc
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import get_codec
-from p2p_diloco.wire.envelope import sign_blob
-from p2p_diloco.wire.identity import Identity
+from p2p_diloco.wire.identity import Identity, sign_blob
 from tests.helpers.net import LoopThread, Member
 
 pytestmark = pytest.mark.timeout(120)

@@ -295,3 +295,20 @@ def test_a_sponsors_verdicts_ride_in_the_signed_header_and_only_in_one_encoding(
         pack_vouches([(ids[0], 1.5)])
     with pytest.raises(ValueError):
         pack_vouches([(i, 0.5) for i in ids] + [(ids[0], 0.5)])
+
+
+def test_a_declared_data_position_rides_in_the_signed_header_and_is_checked() -> None:
+    from p2p_diloco.wire.position import DataPosition
+
+    where = DataPosition(first_step=40, steps=20, shard=2, num_shards=5, salted=1)
+    u = _update(data=where)
+    got = decode_update(encode_update(u), max_bytes=MAX, run_id=RUN, spec_hash=SPEC)
+    assert got == u and got.header.position == where and got.header.vouches == b""
+    assert _update().header.position is None and len(_update().header.to_list()) == 12  # undeclared: as before
+    fields = _update().header.to_list()
+    payload = b"\x01\x02\x03" * 10
+    assert decode_update(_envelope([*fields, b"", list(where)], ALICE, payload), max_bytes=MAX).header.position == where
+    for bad in ([], [40, 20, 2, 5], [40, 0, 2, 5, 1], [40, 20, 5, 5, 1], [40, 20, 2, 5, 2], [-1, 20, 2, 5, 1],
+                [40, 20.0, 2, 5, 1], [40, 20, 2, 5, True], "x"):
+        assert _reason(_envelope([*fields, b"", bad], ALICE, payload)) == "bad_header", bad
+    assert _reason(_envelope([*fields, b"", list(where), 1], ALICE, payload)) == "bad_header"  # one field too many

@@ -39,8 +39,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.net.transport.dht_process import await_mp
 from p2p_diloco.net.transport.node import SwarmNode
-from p2p_diloco.wire.envelope import sign_blob, verify_blob
-from p2p_diloco.wire.identity import Identity
+from p2p_diloco.wire.identity import Identity, sign_blob, verify_blob
 
 logger = logging.getLogger(__name__)
 

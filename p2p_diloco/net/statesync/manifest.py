@@ -26,7 +26,7 @@ import msgpack
 from p2p_diloco.config.network import MAX_CHUNK_BYTES
 from p2p_diloco.sync.authors import MAX_INHERITED
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.wire.envelope import verify_blob
+from p2p_diloco.wire.identity import verify_blob
 
 MANIFEST_DOMAIN = b"p2p-diloco/manifest/v1"
 MAX_REQUEST_BYTES = 1024

@@ -39,8 +39,7 @@ from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.authors import MAX_INHERITED
 from p2p_diloco.sync.replica import Replica
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.wire.envelope import sign_blob
-from p2p_diloco.wire.identity import Identity
+from p2p_diloco.wire.identity import Identity, sign_blob
 
 logger = logging.getLogger(__name__)
 
