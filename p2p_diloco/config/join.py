@@ -56,6 +56,10 @@ class TrainingConfig:
     """Share of the wall time the unit computes, for a machine it shares (0.5: after each inner step it rests as
     long as the step took; train/pace.py). The network side never rests: the peer keeps serving and merging.
     1: flat out."""
+    fit_share: float = 0.0
+    """At a sponsor of a run with founders: the share of its compute it may spend checking whether proposals too
+    weak for their direction fit the batches they declare (train/fit.py; a fitting one counts for its author's
+    graduation). 0: no checks (weak on file shards: BENCHMARKS.md "Fit checks")."""
     shard: int = -1
     """Data shard to train on (-1: int(sha256(peer id)) mod num_shards)."""
     num_shards: int = 1
@@ -95,6 +99,7 @@ class TrainingConfig:
                 "linger_s and finish_phase_within_s must be >= 0")
         require(self.torch_threads >= 0, f"torch_threads must be >= 0, got {self.torch_threads}")
         require(0 < self.duty_cycle <= 1, f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
+        require(0 <= self.fit_share <= 1, f"fit_share must be in [0, 1], got {self.fit_share}")
         require(self.precision in ("auto", "bf16", "fp16", "fp32"),
                 f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
         require(self.micro_batch >= 0, f"micro_batch must be >= 0, got {self.micro_batch}")

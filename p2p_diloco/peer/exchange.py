@@ -14,7 +14,7 @@ import time
 
 from p2p_diloco.net.discovery.status import MAX_WEIGHTED_PEERS, swarm_samples_per_round
 from p2p_diloco.peer.network import PeerNetwork
-from p2p_diloco.train.learner import SwarmView
+from p2p_diloco.train.exchange import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate
 
 logger = logging.getLogger(__name__)

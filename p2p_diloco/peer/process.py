@@ -143,7 +143,7 @@ class Peer:
         learner = self.learner = Learner(self.spec, identity, corpus, shard=shard, num_shards=cfg.num_shards,
                                          device=self.device, compute=compute, unit=unit,
                                          stream=identity.peer_id,  # peers that drew one shard: other batches
-                                         outer_state_dir=cfg.outer_state_dir)
+                                         outer_state_dir=cfg.outer_state_dir, fit_share=cfg.fit_share)
         self.eval_set = eval_batches(corpus, block_size=self.spec.model.block_size,
                                      batch_size=self.spec.data.batch_size, num_batches=cfg.eval_batches)
         self.samples_per_update = self.spec.inner.inner_steps * self.spec.data.batch_size

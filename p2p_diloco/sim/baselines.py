@@ -17,9 +17,10 @@ from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.result import TAIL_ROUNDS, EvalPoint, PeerReport, Progress, SimResult, divergence, eval_theta
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.train.data.corpus import Corpus, ShardSampler, eval_batches, evaluate
+from p2p_diloco.train.exchange import SwarmView
 from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.inner import lr_at, make_inner_optimizer
-from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.train.learner import Learner
 from p2p_diloco.train.models.build import build_model, flat_params
 from p2p_diloco.wire.envelope import encode_update
 from p2p_diloco.wire.identity import Identity

@@ -29,7 +29,7 @@ from p2p_diloco.sim.swarm import ReplicaState, SimPeer, stored_envelope
 from p2p_diloco.sync.authors import MAX_INHERITED
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.train.data.corpus import Corpus
-from p2p_diloco.train.learner import SwarmView
+from p2p_diloco.train.exchange import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update
 from p2p_diloco.wire.herald import encode_herald
 from p2p_diloco.wire.identity import Identity

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sync.heralds import HERALD_WAIT_S
-from p2p_diloco.train.learner import SwarmView
+from p2p_diloco.train.exchange import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update
 from p2p_diloco.wire.herald import encode_herald
 

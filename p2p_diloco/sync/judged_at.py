@@ -25,7 +25,8 @@ from torch import Tensor
 
 from p2p_diloco.sync.copies import copy_coordinates
 from p2p_diloco.sync.decoded import Decoded
-from p2p_diloco.sync.worth import Along, along
+from p2p_diloco.sync.echoes import echoing
+from p2p_diloco.sync.worth import Along, along, worths
 
 TURN_EVERY = 8
 """Rounds a sponsor judges at one set of coordinates. At most ~64 proposals' values a round tell about them: some
@@ -138,3 +139,23 @@ class Latest:
                 self.now[author] = Decoded.of(step).take(at) * factor
             else:
                 del self.now[author]
+
+    def worths(self, samples: Tensor, direction: Along | None, self_id: str, own_length: float, fresh: list[Tensor],
+               echo_of: float, share: float, proven: float) -> list[tuple[float, float]]:
+        """(v, keep) of each row of `samples` at sponsor `self_id` (sync/sponsorship.py): a proposal's value and the
+        share of a graduate's step to relay. Once it knows theta's recent moves (`fresh`), by the cosine of its part
+        outside them with `direction` (its pseudo-gradient of the proposal's phase, the same part), nothing for an
+        echo (|cos| >= `echo_of` with a sponsor's latest update's new part); before, by its cosine with the sum of
+        the sponsors' latest updates or, if larger, with `direction`. Lengths are held to one sponsor update's, and
+        to `own_length` (the sponsor's own work without what it carried) when known."""
+        if self_id not in self.now:
+            return [(0.0, 0.0)] * samples.shape[0]  # no work of our own yet to judge by
+        basis, length = self.basis()
+        if own_length > 0:
+            length = min(length, own_length)
+        if fresh:  # only what is new is worth anything: an echo of theta's recent moves is not
+            # Only the sponsors' updates: honest proposals of one phase share what none of them has merged yet,
+            # and their new parts are as near each other (up to 0.82) as an echo's is to its source's.
+            echoes = echoing(samples, fresh, torch.stack(list(self.now.values())), echo_of)
+            return worths(samples, fresh, (direction,), length, share, proven, echoes)
+        return worths(samples, [], (basis, direction), length, share, proven)

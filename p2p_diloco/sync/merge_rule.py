@@ -75,7 +75,8 @@ class MergeRule:
             header = getattr(update, "header", None)  # a sponsor's verdicts ride in its signed header
             standing.sponsored_merge(update.sender, update.seq, delta, scaled, prepared.factor,
                                      unpack_vouches(header.vouches) if header is not None and header.vouches else [],
-                                     update_id=update.update_id, now=clock())
+                                     update_id=update.update_id, now=clock(),
+                                     data=header.data if header is not None else ())
         if multiplier > 0:
             self.policy.observe(delta)
         return MergeOutcome.MERGED, late

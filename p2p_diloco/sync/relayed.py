@@ -61,6 +61,7 @@ class Pending(NamedTuple):
     factor: float
     date: float
     ahead: Tensor | None = None  # its sample at the next period's coordinates, if gathered (sync/judged_at.py)
+    data: tuple[int, ...] = ()  # the data position its header declares: what a fit judge redraws (sync/fitness.py)
 
 
 class Carry:

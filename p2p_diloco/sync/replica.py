@@ -81,7 +81,7 @@ from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, check_theta, header_ok
 from p2p_diloco.sync.slots import LayoutCheck, Slots
 from p2p_diloco.sync.standing import Standing
-from p2p_diloco.sync.types import MergeOutcome, UpdateLike
+from p2p_diloco.sync.types import Fit, MergeOutcome, UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import Codec, get_codec
 
@@ -276,10 +276,10 @@ class Replica:
         with self.lock:
             return self._rule.without(updates, self._slots)
 
-    def relay(self, current: Tensor | None = None) -> Relayed:
-        """A sponsor's relayed work for its next update, judged by `current`, its phase's pseudo-gradient."""
+    def relay(self, current: Tensor | None = None, fit: Fit | None = None) -> Relayed:
+        """A sponsor's relayed work for its next update, judged by `current` (its pseudo-gradient) and `fit`."""
         with self.lock:
-            return self.standing.sponsorship.relay(self.theta, current) if self.standing is not None else NOTHING
+            return self.standing.sponsorship.relay(self.theta, current, fit) if self.standing is not None else NOTHING
 
     @delivers_bans
     def load(self, theta: Tensor, version_vector: VersionVector) -> list[UpdateLike]:

@@ -61,12 +61,14 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
-from p2p_diloco.sync.echoes import echoing, moves_at, orthonormal, unit_new_parts, without, without_echoes
+from p2p_diloco.sync.echoes import moves_at, orthonormal, unit_new_parts, without, without_echoes
+from p2p_diloco.sync.fitness import FitChecks
 from p2p_diloco.sync.heralds import Heralds, Seen, Window, race, unit_of
 from p2p_diloco.sync.judged_at import JudgedAt, Latest
 from p2p_diloco.sync.records import Records, bounded
 from p2p_diloco.sync.relayed import NOTHING, Carry, Pending, Relayed
-from p2p_diloco.sync.worth import Along, along, worths
+from p2p_diloco.sync.types import Fit
+from p2p_diloco.sync.worth import Along, along
 from p2p_diloco.wire.vouches import MAX_VOUCHES, pack_vouches, slot_key
 
 NEAR_COPY = 0.95
@@ -124,6 +126,7 @@ class Sponsorship:
         self._snapshots: list[Tensor] = []  # at a sponsor: theta at its last ECHO relays, newest first
         self._pending: list[Pending] = []  # at a sponsor: proposals merged this phase, not judged yet
         self._fresh: list[Tensor] = []  # theta's moves at our last relay, sampled, orthonormal: echoes (`_value`)
+        self.fitted = FitChecks(self.judged_at.seed, PROVEN, MAX_EARNED)  # at a sponsor (sync/fitness.py)
 
     def sample_at(self, numel: int) -> Tensor:
         """Where we read every update we judge: this period's coordinates (and, in its last round, the next one's),
@@ -158,7 +161,7 @@ class Sponsorship:
 
     def merged(self, author: str, seq: int, sample: Tensor | None, step: Tensor | Decoded | None,
                factor: float = 1.0, at: Tensor | None = None, *, update_id: bytes | None = None,
-               now: float | None = None) -> None:
+               now: float | None = None, data: tuple[int, ...] = ()) -> None:
         """An update merged here (`step * factor`: what it would move theta by at full weight; `sample`: that
         step's values at our coordinates `at` (`sample_at`): a proposal that signs itself a larger weight is longer,
         scaled down). A sponsor keeps its own as the direction to judge by and relays a useful proposal's step;
@@ -187,12 +190,12 @@ class Sponsorship:
         elif unit is not None and step is not None:
             date = self.heralds.priority(author, seq, update_id, now)
             if len(self._pending) < MAX_PENDING:  # judged when our phase ends, by the work we did beside it
-                self._pending.append(Pending(author, seq, sample, unit, step, factor, date, ahead))
+                self._pending.append(Pending(author, seq, sample, unit, step, factor, date, ahead, data))
             else:
                 self._judge(author, seq, sample, unit, step, factor, date, ahead=ahead)
         self._window.trim(MAX_WINDOW)
 
-    def judge(self, current: Tensor | None = None) -> None:
+    def judge(self, current: Tensor | None = None, theta: Tensor | None = None, fit: Fit | None = None) -> None:
         """Judge the proposals merged since the last judgement, in the order they merged; `current`: our pseudo-gradient
         of the phase now ending (`relay`; see the module docstring), else by the sponsors' latest updates alone."""
         direction = None
@@ -203,26 +206,30 @@ class Sponsorship:
             samples = torch.stack([p.sample for p in pending])
             values, news = self._worths(samples, direction), unit_new_parts(samples, self._fresh)
             nears = self._window.nears(torch.stack([p.unit for p in pending]), NEAR_COPY)
+            judged = []
             for p, value, new, nearby in zip(pending, values, news, nears):
-                self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, (value, new),
-                            nearby, p.ahead)
+                if self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, (value, new),
+                               nearby, p.ahead, defer_weak=fit is not None and bool(p.data)):
+                    judged.append((p, *value))
+            if fit is not None and theta is not None:  # too weak for its direction: does it fit its batches?
+                self.fitted.check(judged, theta, fit, self.records, self.graduated)
         self._window.trim(MAX_WINDOW)
 
     def _judge(self, author: str, seq: int, sample: Tensor, unit: Tensor, step: Tensor | Decoded, factor: float,
                date: float, direction: Along | None = None,
                judged: tuple[tuple[float, float], Tensor | None] | None = None, nearby: list[int] | None = None,
-               ahead: Tensor | None = None) -> None:
+               ahead: Tensor | None = None, defer_weak: bool = False) -> bool:
         """Judge a proposal and relay its work if useful: nothing for a near copy of one dated before it (a
         graduate's too: its work is in already), and no mark on its record (it may be the original that lost a
         race); one dated before a near copy that took the credit (its payload came first) takes that credit over,
         and its work, relayed already through the copy, is not relayed again. `judged`: its (value, keep) and new
-        part, computed with its phase's batch."""
+        part, computed with its phase's batch; `defer_weak`: leave weak work off the record (sync/fitness.py)."""
         key = slot_key(self.run_id, author, seq)
         copied, displaced = race(self._window, unit, date, NEAR_COPY, author=author, nearby=nearby)
         if copied:
             _bounded(self.judged, (author, seq), (0.0, 0.0))
             self._window.append(Seen(unit, date, None, author=author, round=self._round, ahead=ahead))
-            return
+            return False
         if displaced:
             self._take_back(displaced, key)
         graduate = self.graduated(author, before=seq)
@@ -237,9 +244,11 @@ class Sponsorship:
                 carry.graduate(key, value, step if keep > 0 else None, factor, keep, new)
         elif value > 0 and not displaced and len(carry.proposals) < MAX_VOUCHES:
             carry.propose(key, step, factor, value, new)
-        self.records.note(author, seq, value)
+        if not (defer_weak and not graduate and keep > 0 and value < PROVEN):
+            self.records.note(author, seq, value)
         self._window.append(Seen(unit, date, (author, seq) if value > 0 else None, author=author, round=self._round,
                                  ahead=ahead))
+        return True
 
     def _take_back(self, displaced: list[int], key: bytes | None) -> None:
         """Near copies that took credit before their original was judged: their marks go (and no sponsor's vouch
@@ -255,12 +264,12 @@ class Sponsorship:
             if key is not None:
                 self._carry.rename(slot_key(self.run_id, author, seq), key)
 
-    def relay(self, theta: Tensor | None = None, current: Tensor | None = None) -> Relayed:
+    def relay(self, theta: Tensor | None = None, current: Tensor | None = None, fit: Fit | None = None) -> Relayed:
         """What this sponsor's next update carries for the proposals merged since its last one (`Relayed`), judged
         now by `current`, its pseudo-gradient of the phase ending (`judge`):
         the proposals' values scaled to sum to at most 1, so all of them together take at most one share `t` <= 1/S
         of its update, mixed in by displacing its own work, `(own + relayed) / (1 + t)`; the graduates' on top, as
-        members' (`GRADUATE_SHARE * keep` of each step, over S). Drains them."""
+        members' (`GRADUATE_SHARE * keep` of each step, over S); `fit`: the fit check (`judge`). Drains them."""
         if not self.judging:
             return NOTHING
         fresh_ahead: list[Tensor] = []  # the same at the next period's coordinates, for after a turn
@@ -268,7 +277,7 @@ class Sponsorship:
             self._fresh = orthonormal(moves_at(theta, self._snapshots, self._at))  # what is no longer new
             if self.judged_at.owns(self._at) and self.judged_at.turning:
                 fresh_ahead = orthonormal(moves_at(theta, self._snapshots, self.judged_at.ahead(theta.numel())))
-        self.judge(current)
+        self.judge(current, theta, fit if theta is not None else None)
         carry, self._carry, sponsors = self._carry, Carry(), len(self.sponsors)
         (relay, weights), full = carry.relay(), carry.full
         # The window keeps the round just relayed: a copy that reached us before its original and went out in this
@@ -322,21 +331,10 @@ class Sponsorship:
                     self.records.note(*slot, value)
 
     def _worths(self, samples: Tensor, direction: Along | None = None) -> list[tuple[float, float]]:
-        """(v, keep) of each row of `samples`: a proposal's value and the share of a graduate's step to relay: once
-        we know theta's recent moves, by the cosine of its part outside them with `direction` (our pseudo-gradient
-        of its phase, the same part); before, by its cosine with the sum of the sponsors' latest updates or, if
-        larger, with `direction`."""
-        if self.self_id not in self._latest.now:
-            return [(0.0, 0.0)] * samples.shape[0]  # no work of our own yet to judge by
-        basis, length = self._latest.basis()
-        if self._own_length > 0:  # ours without the work it carried: carrying graduates must not loosen the cap
-            length = min(length, self._own_length)
-        if self._fresh:  # only what is new is worth anything: an echo of theta's recent moves is not
-            # Only the sponsors' updates: honest proposals of one phase share what none of them has merged yet,
-            # and their new parts are as near each other (up to 0.82) as an echo's is to its source's.
-            echoes = echoing(samples, self._fresh, torch.stack(list(self._latest.now.values())), ECHO_OF)
-            return worths(samples, self._fresh, (direction,), length, GRADUATE_SHARE, PROVEN, echoes)
-        return worths(samples, [], (basis, direction), length, GRADUATE_SHARE, PROVEN)
+        """(v, keep) of each row of `samples` (`Latest.worths`, with this module's rules)."""
+        length = self._own_length  # ours without the work it carried: carrying graduates must not loosen the cap
+        return self._latest.worths(samples, direction, self.self_id, length, self._fresh, ECHO_OF, GRADUATE_SHARE,
+                                   PROVEN)
 
 
 def _bounded(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:

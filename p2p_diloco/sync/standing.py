@@ -163,9 +163,9 @@ class Standing:
 
     def sponsored_merge(self, sender: str, seq: int, delta: Tensor | Decoded, step: Tensor | Decoded | None,
                         factor: float, vouches: list[tuple[bytes, float]], *, update_id: bytes | None = None,
-                        now: float | None = None) -> None:
+                        now: float | None = None, data: tuple[int, ...] = ()) -> None:
         """After a merge in a run with sponsors: a sponsor judges and relays it (sync/sponsorship.py); a sponsor's
-        header says what it relayed."""
+        header says what it relayed. `data`: the data position its header declares (wire/envelope.py)."""
         sponsorship = self.sponsorship
         if not sponsorship.active:
             return
@@ -174,7 +174,7 @@ class Standing:
             source = Decoded.of(step if step is not None else delta)
             at = sponsorship.sample_at(source.numel)
             sample = source.take(at) * factor
-        sponsorship.merged(sender, seq, sample, step, factor, at, update_id=update_id, now=now)
+        sponsorship.merged(sender, seq, sample, step, factor, at, update_id=update_id, now=now, data=data)
         if vouches:
             sponsorship.vouched(sender, vouches)
 

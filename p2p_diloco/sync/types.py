@@ -4,9 +4,12 @@ its types."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
+
+from torch import Tensor
 
 from p2p_diloco.wire.codecs import Payload
 
@@ -53,3 +56,8 @@ class Conflict:
     first_id: bytes
     first: UpdateLike | None
     second: UpdateLike
+
+
+Fit = Callable[[str, tuple[int, ...], Tensor, Tensor], "bool | None"]
+"""A sponsor's fit check (train/fit.py, sync/fitness.py): (author, its declared data position, its step, theta) ->
+whether the step fits the batches declared; None: it cannot be judged (nothing to redraw, no budget left)."""

@@ -11,10 +11,18 @@ a unit alone, for tests and benchmarks).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
-from p2p_diloco.train.learner import SwarmView
 from p2p_diloco.wire.envelope import OuterUpdate
+
+
+@dataclass
+class SwarmView:
+    """What the sender needs to know of the swarm to weight its update."""
+
+    num_peers: int
+    samples_per_round: float  # sum over live peers of the samples in one of their updates
 
 
 class Exchange(Protocol):

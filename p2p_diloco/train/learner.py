@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +40,8 @@ from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data.corpus import Corpus, evaluate
+from p2p_diloco.train.exchange import SwarmView
+from p2p_diloco.train.fit import FitJudge, declared
 from p2p_diloco.train.hardware.compute import Compute
 from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.hardware.unit import SoloUnit
@@ -55,21 +56,13 @@ from p2p_diloco.wire.identity import Identity
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SwarmView:
-    """What the sender needs to know of the swarm to weight its update."""
-
-    num_peers: int
-    samples_per_round: float  # sum over live peers of the samples in one of their updates
-
-
 class Learner:
     """One learner unit. Not thread-safe itself; only the replica is shared with the network thread."""
 
     def __init__(self, spec: RunSpec, identity: Identity, corpus: Corpus | Any, *, shard: int, num_shards: int,
                  replica_state: tuple[torch.Tensor, VersionVector] | None = None, device: str = "cpu",
                  compute: Compute | None = None, unit: SoloUnit | None = None, stream: str = "",
-                 outer_state_dir: str = "", judge_seed: int | None = None):
+                 outer_state_dir: str = "", judge_seed: int | None = None, fit_share: float | None = None):
         self.spec = spec.validate()
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -114,6 +107,8 @@ class Learner:
         # full-size (ARCHITECTURE.md "Memory").
         self._base = torch.empty(0)
         self.in_phase = False
+        # A sponsor's fit checks, on our own model between phases (one process's: it must hold the model whole).
+        self.fit = FitJudge.for_sponsor(self.model, corpus, spec, judge_seed, self.peer_id, self.unit.world, fit_share)
 
     # ---- the round loop, in three named parts so a caller can interleave the network ----------------
 
@@ -211,14 +206,19 @@ class Learner:
         weight = update_weight(result.samples, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
         self.round_weight = weight if stretch == 1 else update_weight(
             result.samples // stretch, swarm.samples_per_round, tau, swarm.num_peers, self.spec.outer)
-        extra, vouches, own, weight = relay_payload(self.replica.relay(delta), weight, self.spec.outer)  # others'
+        position = declared(self.sampler, self.peer_id, self.step - result.steps, result.steps)
+        fit = self.fit.for_round() if self.fit is not None else None  # a sponsor's fit checks (train/fit.py)
+        extra, vouches, own, weight = relay_payload(self.replica.relay(delta, fit), weight, self.spec.outer)
         payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, stretch, consume=True,
                                         limit=self.sender_limit, extra=extra, own_share=own, replica=self.replica)
+        if self.fit is not None:  # our step as it moves theta: the next round's scale
+            self.fit.remember(position, decoded * (self.spec.outer.outer_lr * weight), self.sampler)
         own_merged = self.replica.version_vector.get(self.peer_id)
         update = make_update(
             run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id, tau=tau, samples=result.samples,
             seq=max(self.last_seq, own_merged) + 1, weight=weight, codec=self.codec.name, numel=self.numel,
-            payload=payload, identity=self.identity, vouches=vouches)
+            payload=payload, identity=self.identity, vouches=vouches,
+            data=position if self.peer_id not in self.spec.defence.sponsors else None)  # what a fit check redraws
         # Durable before anyone can see it. A crash before this line loses an update nobody saw, so its seq is
         # free to be signed again with other content; after it, a restart takes this very update back.
         if self.persist_update is not None:

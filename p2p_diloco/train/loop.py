@@ -45,9 +45,9 @@ from p2p_diloco.train.grace import awaited
 from p2p_diloco.train.hardware.host_heap import trim_free_heap
 
 if TYPE_CHECKING:  # light at import time (the peer process imports this before torch is needed)
-    from p2p_diloco.train.exchange import Exchange
+    from p2p_diloco.train.exchange import Exchange, SwarmView
     from p2p_diloco.train.inner import InnerResult
-    from p2p_diloco.train.learner import Learner, SwarmView
+    from p2p_diloco.train.learner import Learner
     from p2p_diloco.train.phase import Phase
     from p2p_diloco.wire.envelope import OuterUpdate
 

@@ -76,7 +76,8 @@ def test_learner_round_talks_to_an_exchange(corpus):
     from p2p_diloco.sim.events import EventQueue
     from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
     from p2p_diloco.sync.intake import Intake
-    from p2p_diloco.train.learner import Learner, SwarmView
+    from p2p_diloco.train.exchange import SwarmView
+    from p2p_diloco.train.learner import Learner
     from p2p_diloco.train.loop import run_rounds
     from p2p_diloco.wire.identity import Identity
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from p2p_diloco.config import preset
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.version_vector import VersionVector
-from p2p_diloco.train.exchange import CollectingExchange
-from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.train.exchange import CollectingExchange, SwarmView
+from p2p_diloco.train.learner import Learner
 from p2p_diloco.train.loop import run_rounds
 from p2p_diloco.train.models.build import flat_params
 from p2p_diloco.train.phase import swarm_rounds
