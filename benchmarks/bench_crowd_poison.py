@@ -115,7 +115,9 @@ ATTACKS = {"sign_flip": Attack("sign_flip"), "scale5": Attack("scale", 5.0),
            "train_mask_bound": Attack(factor=-5.0, hostile=Hostility.MASK, bounded=True),
            # built against a judge that reads a sample, however secret: honest but for a few coordinates at the bound
            "train_spike": Attack(factor=0.001, hostile=Hostility.SPIKE),
-           "train_spike10": Attack(factor=0.01, hostile=Hostility.SPIKE)}
+           "train_spike10": Attack(factor=0.01, hostile=Hostility.SPIKE),
+           "train_undercut": Attack(factor=0.05, hostile=Hostility.UNDERCUT),
+           "train_undercut0": Attack(factor=0.01, hostile=Hostility.UNDERCUT)}
 ADAPTIVE = ["near_copy", "near_copy_pos", "scale_bound", "noise", "noise_shaped", "mixed_adaptive", "echo_noise",
             "echo_source", "echo_soft", "echo_newcomer", "echo_soft_newcomer",
             "copy_newcomer", "near_copy_newcomer", "train_honest",
@@ -138,8 +140,11 @@ def run_one(job: dict) -> dict:
 
     import torch
 
+    from p2p_diloco.train import fit
+
     torch.set_num_threads(1)
     logging.getLogger("p2p_diloco").setLevel(logging.ERROR)
+    fit.FIT_SHARE = job.get("fit_share", fit.FIT_SHARE)  # the sponsors' fit checks (0: none)
     base = preset(job["preset"])
     attack = CLEAN[job["attack"]] if job["attack"] in CLEAN else ATTACKS[job["attack"]]
     defence = DefenceConfig(norm_bound=attack.norm_bound, **DEFENCES[job["defence"]])
@@ -273,6 +278,8 @@ def main() -> int:
                          "whose copies and heralds leave with the original (no network allows it: with heralds, it "
                          "dates its copies before the original at some sponsors: a copied newcomer never graduates)")
     ap.add_argument("--no-volunteer", action="store_true", help="skip the late volunteer's measurement")
+    ap.add_argument("--fit-share", type=float, default=0.05,
+                    help="the sponsors' fit checks' share of their compute (train/fit.py FIT_SHARE; 0: none)")
     ap.add_argument("--out", default="benchmarks/results/crowd/poison")
     args = ap.parse_args()
     crowds = [int(c) for c in args.crowds.split(",")]
@@ -282,7 +289,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown attacks or defences: {unknown}")
     common = dict(preset=args.preset, peers=args.peers, inner_steps=args.inner_steps,
-                  steps_per_peer=args.steps_per_peer, iid=args.iid, adjacent=args.adjacent)
+                  steps_per_peer=args.steps_per_peer, iid=args.iid, adjacent=args.adjacent, fit_share=args.fit_share)
     cleans = sorted({baseline(a) for a in attacks})
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     jobs = [dict(common, crowd=0, attack=c, defence=d, seed=s) for c in cleans for d in defences for s in seeds]

@@ -43,6 +43,7 @@ def run_one(job: dict) -> dict:
     from p2p_diloco.sim.adversary import Adversary, Hostility
     from p2p_diloco.sim.crowd import CrowdAttack, CrowdSwarm
     from p2p_diloco.sync import sponsorship
+    from p2p_diloco.train import fit
     from p2p_diloco.train.data.corpus import load_corpus
 
     torch.set_num_threads(1)
@@ -51,9 +52,10 @@ def run_one(job: dict) -> dict:
     share = float(row.split("@")[1]) if row.startswith("members@") else DEFAULT_SHARE
     sponsorship.GRADUATE_SHARE = share
     sponsorship.RECORD = DEFAULT_RECORD if share > 0 else 10**9  # 0: nobody graduates
+    fit.FIT_SHARE = job["fit_share"]  # the sponsors' fit checks' share of their compute (0: none)
     base = dataclasses.replace(preset(job["preset"]), seed=job["seed"])
-    spec = dataclasses.replace(base, inner=dataclasses.replace(base.inner, inner_steps=20, decay_steps=steps // 3),
-                               defence=DefenceConfig())
+    inner = dataclasses.replace(base.inner, inner_steps=job["h"], decay_steps=steps // 3)
+    spec = dataclasses.replace(base, inner=inner, defence=DefenceConfig())
     corpus = load_corpus(spec.data)
     t0 = time.time()
     if row == "volunteer":
@@ -71,6 +73,10 @@ def run_one(job: dict) -> dict:
            "wall_s": round(time.time() - t0, 1)}
     if row == "volunteer":
         out["relayed_by_seq"] = swarm.relayed_by_seq(swarm.peers[3].learner.peer_id)
+    judges = [p.learner.fit for p in swarm.peers if p.learner.fit is not None]
+    steps_done = sum(p.learner.step for p in swarm.peers if p.learner.fit is not None)
+    out["fit"] = {k: sum(j.stats[k] for j in judges) for k in ("checks", "fits", "forwards")}
+    out["fit"]["share_of_compute"] = out["fit"]["forwards"] / max(1, fit.FORWARDS_PER_STEP * steps_done)
     return out
 
 
@@ -81,13 +87,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=600, help="per sponsor; the 6-peer rows have twice the budget")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--fit-share", type=float, default=0.05,
+                    help="the sponsors' fit checks' share of their compute (train/fit.py FIT_SHARE; 0: no checks)")
+    ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/crowd/graduation")
     args = ap.parse_args()
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {ROWS}")
-    jobs = [dict(row=r, seed=s, steps=args.steps, preset=args.preset) for r in rows for s in range(args.seeds)]
+    jobs = [dict(row=r, seed=s, steps=args.steps, preset=args.preset, fit_share=args.fit_share, h=args.inner_steps)
+            for r in rows for s in range(args.seeds)]
     t0, results = time.time(), []
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         for i, res in enumerate(pool.imap_unordered(run_one, jobs), 1):
@@ -112,6 +122,10 @@ def main() -> int:
         seen = "; ".join(f"{k}: {', '.join(f'{m:g}' for m in v)}" for k, v in r["relayed_by_seq"].items())
         lines.append(f"\n- volunteer, seed {r['seed']}: the share of each of its updates each sponsor relayed as a "
                      f"member's, by seq: {seen}")
+    for r in sorted(results, key=lambda r: (r["row"], r["seed"])):
+        f = r["fit"]
+        lines.append(f"- {r['row']} seed {r['seed']}: fit checks {f['checks']}, fitted {f['fits']}, "
+                     f"{f['forwards']} forwards, {100 * f['share_of_compute']:.1f}% of the sponsors' compute")
     md = "\n".join(lines)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,9 @@ update into its own replica, and publishes a tampered one instead:
     sign_flip  the payload is minus the honest one
     tilt       the honest one negated, tilted toward the swarm's recent direction until its cosine with it is
                `factor` (`tilted`): built against a judge of directions
+    undercut   the honest one, minus just enough of the swarm's recent direction that its cosine with it is
+               `factor` (small, positive: too weak for a judge of directions, and its own trained work fits the
+               batches it declares): built against a sponsor's fit check (train/fit.py)
     mask       the honest one on the coordinates every replica's copy test reads (fixed and public: sync/copies.py
                `copy_coordinates`), the honest one times `factor` everywhere else (negated at -1; with `bounded`,
                capped under the norm bound): built against a judge that reads only those coordinates
@@ -42,12 +45,14 @@ from p2p_diloco.config import RunSpec, SimConfig
 from p2p_diloco.sim.crowd_attacks import within_bound
 from p2p_diloco.sim.result import Progress, SimResult, divergence
 from p2p_diloco.sim.swarm import AsyncSwarm, ReplicaState, SimPeer
+from p2p_diloco.sim.tilts import tilt, undercut
 from p2p_diloco.sync.copies import copy_coordinates
 from p2p_diloco.sync.quorum import merged_by_quorum, skipped_by_quorum
 from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.train.data.corpus import Corpus
-from p2p_diloco.train.learner import Learner, SwarmView
+from p2p_diloco.train.exchange import SwarmView
+from p2p_diloco.train.learner import Learner
 from p2p_diloco.wire.codecs import Payload
 from p2p_diloco.wire.envelope import OuterUpdate, encode_update, make_update
 
@@ -62,6 +67,7 @@ class Hostility(str, Enum):
     TILT = "tilt"
     MASK = "mask"
     SPIKE = "spike"
+    UNDERCUT = "undercut"
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class Adversary:
                 payload = learner.codec.compress(within_bound(d, self.factor, bound))
             elif self.mode is Hostility.TILT:
                 payload = learner.codec.compress(tilted(learner, d, self.factor, self.lag))
+            elif self.mode is Hostility.UNDERCUT:
+                payload = learner.codec.compress(tilted(learner, d, self.factor, self.lag, keep_own=True))
             elif self.mode is Hostility.SPIKE:
                 bound = MergePolicy.from_spec(learner.spec).reject_above
                 payload = learner.codec.compress(spiked(d, learner.replica.theta, self.factor, bound))
@@ -112,42 +120,28 @@ class Adversary:
         h = honest.header
         return make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=h.seq, tau=h.tau, samples=h.samples,
                            weight=h.weight, codec=h.codec, numel=h.numel, payload=payload,
-                           identity=learner.identity, created_at=h.created_at, vouches=h.vouches)
+                           identity=learner.identity, created_at=h.created_at, vouches=h.vouches,
+                           data=h.position)  # its data position as declared: what a fit check redraws
 
 
-def tilted(learner: Learner, honest: torch.Tensor, cosine: float, lag: int = 0) -> torch.Tensor:
+def tilted(learner: Learner, honest: torch.Tensor, cosine: float, lag: int = 0, keep_own: bool = False) -> torch.Tensor:
     """Built against a judge of directions (sync/sponsorship.py): the honest update negated, plus just enough of
     the swarm's own recent direction (what theta moved by since this peer's last update: mostly the sponsors'
     work) that its cosine with that direction is `cosine`, at the honest update's length. It passes a judge that
     asks "does it point along our work?" while its component off that direction is the honest one negated. With
     `lag`, theta's move between this peer's updates lag + 1 and lag before this one instead (built against a
-    sponsor that removes its own recent moves from what it relays). Until it has that much history it publishes
-    honest updates."""
+    sponsor that removes its own recent moves from what it relays). With `keep_own` (undercut: built against a fit
+    check, train/fit.py), the honest update itself, minus just enough of that direction that its cosine with it
+    is `cosine` (small and positive: too weak for a judge of directions, checked for fit instead, which its own
+    trained work passes): against the sponsors' work, with the fit of real compute. Until it has that much
+    history it publishes honest updates."""
     thetas = learner.__dict__.setdefault("_tilt_thetas", [])  # theta at this peer's updates, newest first
     thetas.insert(0, learner.replica.theta.clone())
     del thetas[lag + 2:]
     if len(thetas) < lag + 2:
         return honest
-    return tilt(honest, thetas[lag + 1] - thetas[lag], cosine)
-
-
-def tilt(honest: torch.Tensor, direction: torch.Tensor, cosine: float) -> torch.Tensor:
-    """`honest` negated, plus just enough of `direction` that the result's cosine with it is `cosine`, at the
-    honest length (`tilted`'s attack against a judge that rewards pointing along `direction`)."""
-    length = float(honest.norm())
-    if not (float(direction.norm()) > 0 and length > 0):
-        return -honest
-    s, p = direction / direction.norm(), honest / length
-    c0 = float(torch.dot(p, s))
-    low, high = 0.0, 100.0  # cos(-p + x s, s) = (x - c0) / |-p + x s| grows with x: bisect for `cosine`
-    for _ in range(60):
-        x = (low + high) / 2
-        if (x - c0) / math.sqrt(max(1e-12, 1 - 2 * x * c0 + x * x)) < cosine:
-            low = x
-        else:
-            high = x
-    out = -p + high * s
-    return out * (length / float(out.norm()))
+    direction = thetas[lag + 1] - thetas[lag]
+    return undercut(honest, direction, cosine) if keep_own else tilt(honest, direction, cosine)
 
 
 def masked(honest: torch.Tensor, at: torch.Tensor, factor: float, bound: float = math.inf) -> torch.Tensor:

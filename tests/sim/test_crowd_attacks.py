@@ -146,3 +146,26 @@ def test_masked_work_is_honest_only_where_the_copy_test_reads_and_spikes_sit_at_
     assert torch.allclose(spikes[moved].abs(), torch.tensor(9.9))
     assert bool((torch.sign(spikes[moved]) == -torch.sign(theta[moved])).all())  # theta - step: away from 0
     assert torch.equal(spikes[~moved], d[~moved])
+
+
+def test_undercut_work_keeps_its_length_and_points_along_the_swarm_just_as_far_as_asked() -> None:
+    """The attack built against a sponsor's fit check (sim/tilts.py `undercut`): its own work, minus enough of the
+    swarm's direction that the cosine with it is the one asked for (too weak to count, still positive), at the
+    work's length; work already under that cosine is left as it is. Against `tilt`, which negates the work."""
+    from p2p_diloco.sim.tilts import tilt, undercut
+
+    g = torch.Generator().manual_seed(11)
+    swarm = torch.randn(2048, generator=g)
+    work = 0.6 * swarm + torch.randn(2048, generator=g)
+
+    def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+    for target in (0.01, 0.05, 0.2):
+        out = undercut(work, swarm, target)
+        assert cos(out, swarm) == pytest.approx(target, abs=1e-4)
+        assert float(out.norm()) == pytest.approx(float(work.norm()), rel=1e-5)
+        assert cos(out, work) > 0.5  # still mostly the work itself: its fit stays
+        assert cos(tilt(work, swarm, target), work) < 0  # tilt's is the work negated
+    against = -work
+    assert torch.equal(undercut(against, swarm, 0.05), against)  # already under: unchanged
