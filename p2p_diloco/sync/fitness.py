@@ -37,7 +37,6 @@ FIT_CHECKS = 1
 a round's ~150 forward-equivalents at H = 50, at most one author's worth per round."""
 
 
-
 def to_check(judged: Sequence[tuple[Pending, float, float]], useful: Callable[[str], bool], proven: float,
              rng: random.Random, limit: int = FIT_CHECKS) -> list[Pending]:
     """The proposals of a round to check for fit (see the module docstring), from `judged`: (proposal, value,

@@ -1,7 +1,7 @@
 """The fit judge: did a proposal's author train on the batches its header says it did? (BENCHMARKS "Did the author
 train on its own batches? The fit gap"; templar's Gauntlet on assigned pages.)
 
-A unit's batches are a pure function of its data position (wire/envelope.py `DataPosition`: seed, shard, stream,
+A unit's batches are a pure function of its data position (wire/position.py `DataPosition`: seed, shard, stream,
 step), so a sponsor holding the run's data can redraw the batches of an author's phase and, from the same stream,
 batches at steps no phase reaches. Compute leaves a fit to the batches it was spent on; an echo of published work,
 a copy, noise or negated work does not:
@@ -41,15 +41,18 @@ logger = logging.getLogger(__name__)
 
 FIT_BATCHES = 4
 """Trained and unseen batches read per check (each). With 4 + 4 an echo clears a quarter of the honest median gap
-27% of the time and honest work falls under it 9-18%: one check is weak, a record of two is not (BENCHMARKS)."""
+27% of the time and honest work falls under it 9-18% (BENCHMARKS "Did the author train on its own batches?"); on a
+shard the model has not learned, closer to a coin (BENCHMARKS "Fit checks")."""
 FIT_BAR = 0.25
-"""The share of the judge's own gap a proposal's gap must reach (BENCHMARKS: at 0.25 noise clears it 0-2%)."""
+"""The share of the judge's own gap a proposal's gap must reach (at 0.25 of the honest median noise cleared it
+0-2%: BENCHMARKS "Did the author train on its own batches?")."""
 FIT_SHARE = 0.0
 """The share of a sponsor's own compute its fit checks may take, counted in forwards: each round adds FIT_SHARE x
 FORWARDS_PER_STEP x its inner steps of credit (at most MAX_CREDIT checks' worth kept), and a check spends its
 forwards. At 0.05 (the issue's budget for judging) that is a check of 4 + 4 batches every ~2 rounds at H = 50,
 every ~5 at the `test` preset's H = 20. Off by default (0: no judge is made): at 0.05 it changed nothing measured,
-and at 0.25 it carried a late volunteer on a file shard at one or two more updates (BENCHMARKS "Fit checks")."""
+and at 0.25 it added one sponsor carrying a late file-shard volunteer's 3rd update in one seed of two (BENCHMARKS
+"Fit checks")."""
 FORWARDS_PER_STEP = 3
 """What an inner step costs in forwards of one batch (a forward and a backward: ~2 more)."""
 MAX_CREDIT = 2
@@ -68,7 +71,7 @@ class FitJudge:
     """A sponsor's fit checks on its own model (the learner's, between phases: the next phase loads theta again).
 
     `sampler_for(author, position)` redraws an author's stream (train/phase.py `make_sampler`). A round's checks
-    read the judge's own work of that round as their scale (`for_round`)."""
+    are held against the judge's own last update (`remember`, `for_round`)."""
 
     def __init__(self, model: torch.nn.Module, sampler_for: Callable[[str, DataPosition], Any], seed: int,
                  *, min_steps: int = 1, batches: int = FIT_BATCHES, bar: float = FIT_BAR) -> None:
@@ -149,12 +152,11 @@ class FitJudge:
         self._checks += 1
         if self.scale <= 0:
             return None
-        try:
-            sampler = self.sampler_for(author, position)
-        except ValueError as e:  # a position no stream of this run has (a shard past the data, a bad shape)
+        try:  # the position is a remote author's word: one no stream of this run has is judged by nothing
+            gap = self.gap(position, self.sampler_for(author, position), step * min(1.0, length / norm), theta)
+        except (ValueError, IndexError, OverflowError, RuntimeError) as e:
             logger.info("fit check: cannot redraw the batches author=%s: %s", author[:12], e)
             return None
-        gap = self.gap(position, sampler, step * min(1.0, length / norm), theta)
         self.stats["checks"] += 1
         ok = gap >= self.bar * self.scale
         self.stats["fits"] += int(ok)

@@ -94,6 +94,9 @@ def test_a_phase_declared_too_short_or_not_at_all_is_not_credited(run) -> None:
     assert fit("author", (100, H - 1, 1, 3, 0), work, theta) is False  # concentrated on fewer batches than H
     assert fit("author", (), work, theta) is None
     assert fit("author", (100, H, 1, 3, 0), torch.zeros_like(work), theta) is False  # nothing in it
+    # A position no stream of this run has, or steps no sampler can reach: judged by nothing, no exception.
+    for hostile in ((100, H, 5, 2**40, 0), (2**62, 2**62, 0, 1, 1), (2**63 - 1, H, 0, 1, 0)):
+        assert fit("author", hostile, work, theta) in (None, False, True)
 
 
 def test_what_an_update_declares() -> None:
@@ -116,7 +119,8 @@ def test_checks_take_at_most_their_share_of_the_sponsors_compute(run) -> None:
         judge.remember(DataPosition(0, H, 0, 3, 0), own, own_sampler)
         check = judge.for_round()
         assert check is not None
-        answers.append(check("author", (100, H, 1, 3, 0), work, theta))
+        # At the sponsor's replica, which holds its own update: its scale is read from the point before it.
+        answers.append(check("author", (100, H, 1, 3, 0), work, theta - own))
     used, spent = judge.stats["forwards"] - before["forwards"], {k: judge.stats[k] - before[k] for k in before}
     assert 0 < used <= 0.05 * FORWARDS_PER_STEP * H * rounds + MAX_CREDIT * 2 * 4 * judge.batches
     assert answers.count(None) > 0 and sum(a is not None for a in answers) > 0  # some rounds wait, some check
