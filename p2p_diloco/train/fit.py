@@ -189,3 +189,11 @@ def declared(sampler: Any, peer_id: str, first_step: int, steps: int) -> DataPos
     if stream not in ("", peer_id) or steps < 1:
         return None
     return DataPosition(first_step, steps, sampler.shard, sampler.num_shards, int(stream == peer_id))
+
+
+def proposal_position(spec: RunSpec, peer_id: str, position: DataPosition | None) -> DataPosition | None:
+    """What `peer_id`'s update declares: its position if it is a proposal (a run with sponsors, and it is none of
+    them), else nothing. Only sponsors read it; and a peer of an older version refuses a header with the field, so
+    a run without sponsors keeps its headers as they were."""
+    sponsors = spec.defence.sponsors
+    return position if sponsors and peer_id not in sponsors else None

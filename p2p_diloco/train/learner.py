@@ -41,7 +41,7 @@ from p2p_diloco.sync.types import MergeOutcome
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.train.data.corpus import Corpus, evaluate
 from p2p_diloco.train.exchange import SwarmView
-from p2p_diloco.train.fit import FitJudge, declared
+from p2p_diloco.train.fit import FitJudge, declared, proposal_position
 from p2p_diloco.train.hardware.compute import Compute
 from p2p_diloco.train.hardware.device import resolve_device
 from p2p_diloco.train.hardware.unit import SoloUnit
@@ -218,7 +218,7 @@ class Learner:
             run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id, tau=tau, samples=result.samples,
             seq=max(self.last_seq, own_merged) + 1, weight=weight, codec=self.codec.name, numel=self.numel,
             payload=payload, identity=self.identity, vouches=vouches,
-            data=position if self.peer_id not in self.spec.defence.sponsors else None)  # what a fit check redraws
+            data=proposal_position(self.spec, self.peer_id, position))  # what a sponsor's fit check redraws
         # Durable before anyone can see it. A crash before this line loses an update nobody saw, so its seq is
         # free to be signed again with other content; after it, a restart takes this very update back.
         if self.persist_update is not None:

@@ -11,7 +11,7 @@ import torch
 
 from p2p_diloco.config import preset
 from p2p_diloco.train.data.corpus import load_corpus
-from p2p_diloco.train.fit import FORWARDS_PER_STEP, MAX_CREDIT, FitJudge, declared
+from p2p_diloco.train.fit import FORWARDS_PER_STEP, MAX_CREDIT, FitJudge, declared, proposal_position
 from p2p_diloco.train.inner import inner_step, make_inner_optimizer
 from p2p_diloco.train.models.build import build_model, flat_params, load_flat_params
 from p2p_diloco.train.phase import make_sampler
@@ -104,6 +104,13 @@ def test_what_an_update_declares() -> None:
     salted = make_sampler(corpus, SPEC, "me", shard=1, num_shards=2, stream="me")
     assert declared(salted, "me", 40, H) == DataPosition(40, H, 1, 2, 1)
     assert declared(make_sampler(corpus, SPEC, "me", shard=0, num_shards=1), "me", 0, H) == DataPosition(0, H, 0, 1, 0)
+    # Only a proposal declares it (a run with sponsors, and we are none): no one else reads it, and an older peer
+    # refuses a header with the field.
+    where = DataPosition(40, H, 1, 2, 1)
+    me, sponsor = Identity.generate().peer_id, Identity.generate().peer_id
+    founded = dataclasses.replace(SPEC, defence=dataclasses.replace(SPEC.defence, sponsors=(sponsor,)))
+    assert proposal_position(founded, me, where) == where and proposal_position(founded, sponsor, where) is None
+    assert proposal_position(SPEC, me, where) is None
     # A stream only its owner can name (the simulator's "unit3"): nothing a judge could redraw.
     assert declared(make_sampler(corpus, SPEC, "me", shard=0, num_shards=1, stream="unit3"), "me", 0, H) is None
 
