@@ -22,13 +22,12 @@ check itself, and its compute budget, are the caller's (`Fit`).
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
-from p2p_diloco.sync.records import Records, bounded
+from p2p_diloco.sync.records import Records
 from p2p_diloco.sync.relayed import Pending
 from p2p_diloco.sync.types import Fit
 
@@ -50,13 +49,12 @@ def to_check(judged: Sequence[tuple[Pending, float, float]], useful: Callable[[s
 
 
 class FitChecks:
-    """A sponsor's fit checks: which proposals of a round it checks (`to_check`, drawn from its secret `seed`), and
-    their outcomes (`outcomes`: (author, seq) -> fits, the latest `limit`); one that fits marks its author's
-    record useful (`Records.note` at `proven`)."""
+    """A sponsor's fit checks: which proposals of a round it checks (`to_check`, drawn from its secret `seed`); one
+    that fits marks its author's record useful (`Records.note` at `proven`). What they cost and found is counted by
+    the check itself (train/fit.py `FitJudge.stats`)."""
 
-    def __init__(self, seed: int, proven: float, limit: int) -> None:
-        self.rng, self.proven, self.limit = random.Random(seed ^ 0x5EED), proven, limit
-        self.outcomes: OrderedDict[tuple[str, int], bool] = OrderedDict()
+    def __init__(self, seed: int, proven: float) -> None:
+        self.rng, self.proven = random.Random(seed ^ 0x5EED), proven
 
     def check(self, judged: Sequence[tuple[Pending, float, float]], theta: Tensor, fit: Fit, records: Records,
               graduated: Callable[[str, int], bool]) -> None:
@@ -68,7 +66,6 @@ class FitChecks:
             fits = fit(p.author, p.data, Decoded.of(p.step).whole() * p.factor, theta)
             if fits is None:
                 continue
-            bounded(self.outcomes, (p.author, p.seq), fits, self.limit)
             value = next(v for q, v, _ in judged if q is p)
             if fits:
                 records.note(p.author, p.seq, self.proven)

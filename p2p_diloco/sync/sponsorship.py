@@ -126,7 +126,7 @@ class Sponsorship:
         self._snapshots: list[Tensor] = []  # at a sponsor: theta at its last ECHO relays, newest first
         self._pending: list[Pending] = []  # at a sponsor: proposals merged this phase, not judged yet
         self._fresh: list[Tensor] = []  # theta's moves at our last relay, sampled, orthonormal: echoes (`_value`)
-        self.fitted = FitChecks(self.judged_at.seed, PROVEN, MAX_EARNED)  # at a sponsor (sync/fitness.py)
+        self.fitted = FitChecks(self.judged_at.seed, PROVEN)  # at a sponsor (sync/fitness.py)
 
     def sample_at(self, numel: int) -> Tensor:
         """Where we read every update we judge: this period's coordinates (and, in its last round, the next one's),
