@@ -13,6 +13,9 @@ each over seeds:
     volunteer     3 sponsors and an honest volunteer joining at 1/6 of the run while 10 identities race copies
                   of its updates to the sponsors: the share of each of its updates each sponsor relayed as a
                   member's, by seq
+    volunteer_echo  the same, the 10 identities sending echoes of its updates with their own noise (cosine 0.6,
+                  `echo_soft`) that declare its data position: built against the fit check, which then reads
+                  the volunteer's stream for them; how many of them graduate, and what that costs
 
 Median honest eval loss (nats per byte) and replica divergence (relative L2); the cost of each row against
 `members@0.25` (today's setting, sync/sponsorship.py GRADUATE_SHARE) of the same seeds.
@@ -31,7 +34,9 @@ import time
 from pathlib import Path
 
 DEFAULT_SHARE, DEFAULT_RECORD = 0.25, 2  # sync/sponsorship.py's, set again in every job (pool workers are reused)
-ROWS = ["plain6", "members@0", "members@0.25", "members@0.5", "members@1", "negate", "sleeper", "volunteer"]
+ROWS = ["plain6", "members@0", "members@0.25", "members@0.5", "members@1", "negate", "sleeper", "volunteer",
+        "volunteer_echo"]
+VOLUNTEERS = {"volunteer": dict(mode="copy"), "volunteer_echo": dict(mode="echo_soft", declare=True)}
 
 
 def run_one(job: dict) -> dict:
@@ -58,10 +63,10 @@ def run_one(job: dict) -> dict:
     spec = dataclasses.replace(base, inner=inner, defence=DefenceConfig())
     corpus = load_corpus(spec.data)
     t0 = time.time()
-    if row == "volunteer":
+    if row in VOLUNTEERS:
         sim = SimConfig(peers=3, sponsors=3, total_steps=steps + steps // 3, eval_batches=8,
                         eval_every_s=float(steps), join=(f"{steps // 6}",), iid=False)  # as measured
-        swarm = CrowdSwarm(spec, sim, corpus, CrowdAttack(10, "copy", source=3))
+        swarm = CrowdSwarm(spec, sim, corpus, CrowdAttack(10, source=3, adjacent=job["adjacent"], **VOLUNTEERS[row]))
     else:
         adversaries = {"negate": [Adversary(i, Hostility.SIGN_FLIP) for i in range(3, 6)],
                        "sleeper": [Adversary(i, Hostility.SIGN_FLIP, sleeper=2) for i in range(3, 6)]}.get(row, [])
@@ -71,8 +76,13 @@ def run_one(job: dict) -> dict:
     summary = swarm.honest_summary(swarm.run())
     out = {**job, "eval_loss": summary["eval_loss"], "divergence": summary["divergence"],
            "wall_s": round(time.time() - t0, 1)}
-    if row == "volunteer":
+    if row in VOLUNTEERS:
         out["relayed_by_seq"] = swarm.relayed_by_seq(swarm.peers[3].learner.peer_id)
+        crowd = {i.peer_id for i in swarm.crowd}
+        sponsorships = [p.learner.replica.standing.sponsorship for p in swarm.honest()
+                        if p.learner.replica.standing is not None and p.learner.replica.standing.sponsorship.judging]
+        out["crowd_graduates"] = [len(crowd & set(s.graduates)) for s in sponsorships]  # per sponsor, at the end
+        out["crowd_relayed"] = round(sum(v for s in sponsorships for a, v in s.relayed.items() if a in crowd), 3)
     judges = [p.learner.fit for p in swarm.peers if p.learner.fit is not None]
     steps_done = sum(p.learner.step for p in swarm.peers if p.learner.fit is not None)
     out["fit"] = {k: sum(j.stats[k] for j in judges) for k in ("checks", "fits", "forwards")}
@@ -90,13 +100,18 @@ def main() -> int:
     ap.add_argument("--fit-share", type=float, default=0.05,
                     help="the sponsors' fit checks' share of their compute (train/fit.py FIT_SHARE; 0: no checks)")
     ap.add_argument("--inner-steps", type=int, default=20)
+    ap.add_argument("--adjacent", action="store_true",
+                    help="the volunteer rows' crowd holds each update as soon as the payload could first cross the "
+                         "volunteer's uplink (sim/crowd.py `adjacent`: the strongest crowd a network allows); "
+                         "default: the instant crowd, whose copies leave as the volunteer publishes")
     ap.add_argument("--out", default="benchmarks/results/crowd/graduation")
     args = ap.parse_args()
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {ROWS}")
-    jobs = [dict(row=r, seed=s, steps=args.steps, preset=args.preset, fit_share=args.fit_share, h=args.inner_steps)
+    jobs = [dict(row=r, seed=s, steps=args.steps, preset=args.preset, fit_share=args.fit_share, h=args.inner_steps,
+                 adjacent=args.adjacent)
             for r in rows for s in range(args.seeds)]
     t0, results = time.time(), []
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
@@ -118,10 +133,11 @@ def main() -> int:
         per_seed = ", ".join(f"{r['eval_loss']:.4f}" for r in cells)
         lines.append(f"| {row} | {loss:.4f} | {per_seed} | "
                      f"{(loss / ref - 1) * 100:+.1f}% | {max(r['divergence'] for r in cells):.1e} |")
-    for r in sorted((r for r in results if r["row"] == "volunteer"), key=lambda r: r["seed"]):
+    for r in sorted((r for r in results if "relayed_by_seq" in r), key=lambda r: (r["row"], r["seed"])):
         seen = "; ".join(f"{k}: {', '.join(f'{m:g}' for m in v)}" for k, v in r["relayed_by_seq"].items())
-        lines.append(f"\n- volunteer, seed {r['seed']}: the share of each of its updates each sponsor relayed as a "
-                     f"member's, by seq: {seen}")
+        lines.append(f"\n- {r['row']}, seed {r['seed']}: the share of each of its updates each sponsor relayed as a "
+                     f"member's, by seq: {seen}; the crowd's graduates at each sponsor {r['crowd_graduates']}, "
+                     f"relayed to the crowd {r['crowd_relayed']:g} updates' worth")
     for r in sorted(results, key=lambda r: (r["row"], r["seed"])):
         f = r["fit"]
         lines.append(f"- {r['row']} seed {r['seed']}: fit checks {f['checks']}, fitted {f['fits']}, "
@@ -130,8 +146,9 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": results}, indent=1))
-    command = "python benchmarks/bench_graduation.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                  vars(args).items())
+    flags = [f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}") for k, v in vars(args).items()
+             if v is not False]
+    command = "python benchmarks/bench_graduation.py " + " ".join(flags)
     out.with_suffix(".md").write_text(f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n{md}\n")
     print(md)
     return 0

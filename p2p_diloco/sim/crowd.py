@@ -62,6 +62,9 @@ class CrowdAttack:
     """The strongest crowd a network allows: it holds the source's update the moment the payload could first have
     crossed the source's uplink (its heralds and one copy of the payload, plus the plain latency: first in the
     queue, next door), and its copies and their heralds leave then, each identity on its own uplink."""
+    declare: bool = False
+    """Each copy declares the source's data position: built against the sponsors' fit check (train/fit.py), which
+    then redraws the source's batches for the copy, the batches the source's own work is best at."""
 
 
 class CrowdSwarm(HostileSwarm):
@@ -145,7 +148,8 @@ class CrowdSwarm(HostileSwarm):
                 if mode in EXACT:
                     exact[mode] = payload
             self.crowd_seq[i] += 1
-            update = forged(honest, payload, identity, self.crowd_seq[i], self.spec.outer.max_weight)
+            update = forged(honest, payload, identity, self.crowd_seq[i], self.spec.outer.max_weight,
+                            declare=self.attack.declare)
             data, herald = encode_update(update), encode_herald(update) if self.sim.heralds else b""
             for target in targets:
                 if herald and target.learner.peer_id in self.spec.defence.sponsors:

@@ -118,9 +118,12 @@ def within_bound(d: Tensor, factor: float, bound: float) -> Tensor:
     return x * (BOUND_MARGIN * bound / peak) if math.isfinite(bound) and peak > BOUND_MARGIN * bound else x
 
 
-def forged(honest: OuterUpdate, payload: bytes, identity: Identity, seq: int, weight: float) -> OuterUpdate:
+def forged(honest: OuterUpdate, payload: bytes, identity: Identity, seq: int, weight: float, *,
+           declare: bool = False) -> OuterUpdate:
     """`payload` (compressed) re-signed by `identity` as its update `seq`, claiming `weight`, with the honest
-    update's other header fields (run, spec, tau, samples, codec, creation time): what a crowd identity publishes."""
+    update's other header fields (run, spec, tau, samples, codec, creation time): what a crowd identity publishes.
+    `declare`: it also declares the honest update's data position (the batches a fit check would redraw)."""
     h = honest.header
     return make_update(run_id=h.run_id, spec_hash=h.spec_hash, seq=seq, tau=h.tau, samples=h.samples, weight=weight,
-                       codec=h.codec, numel=h.numel, payload=payload, identity=identity, created_at=h.created_at)
+                       codec=h.codec, numel=h.numel, payload=payload, identity=identity, created_at=h.created_at,
+                       data=h.position if declare else None)
