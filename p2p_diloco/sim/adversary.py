@@ -12,8 +12,8 @@ update into its own replica, and publishes a tampered one instead:
     tilt       the honest one negated, tilted toward the swarm's recent direction until its cosine with it is
                `factor` (`tilted`): built against a judge of directions
     undercut   the honest one, minus just enough of the swarm's recent direction that its cosine with it is
-               `factor` (small, positive: too weak for a judge of directions, and its own trained work fits the
-               batches it declares): built against a sponsor's fit check (train/fit.py)
+               `factor` (small, positive: too weak for a judge of directions, and its own trained work teaches the
+               stream it declares): built against a sponsor's fit check (train/fit.py)
     mask       the honest one on the coordinates every replica's copy test reads (fixed and public: sync/copies.py
                `copy_coordinates`), the honest one times `factor` everywhere else (negated at -1; with `bounded`,
                capped under the norm bound): built against a judge that reads only those coordinates

@@ -1,4 +1,5 @@
-"""Which proposals a sponsor checks for fit (train/fit.py: did the author train on the batches it declares?).
+"""Which proposals a sponsor checks for fit (train/fit.py: does the work teach the stream its author declares more
+than the sponsor's own does?).
 
 A judge of directions (sync/worth.py) values work by how it points along the sponsors' own. Work on a file shard
 of its author's own points little along it (BENCHMARKS "Can a paired loss change tell honest work from an
@@ -24,6 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from p2p_diloco.sync.decoded import Decoded
@@ -31,8 +33,11 @@ from p2p_diloco.sync.records import Records
 from p2p_diloco.sync.relayed import Pending
 from p2p_diloco.sync.types import Fit
 
+ECHO_BAR = 0.5
+"""A proposal this near (|cos| of the samples) one dated before it in the round is an echo of it for the fit
+checks. The echo crowd measured sent cosine 0.6 (`echo_soft`)."""
 FIT_CHECKS = 1
-"""Fit checks a sponsor makes per round, at most. One check is 4 x FIT_BATCHES forwards (train/fit.py): 16 of
+"""Fit checks a sponsor makes per round, at most. One check is 3 x FIT_BATCHES forwards (train/fit.py): 12 of
 a round's ~150 forward-equivalents at H = 50, at most one author's worth per round."""
 
 
@@ -41,11 +46,26 @@ def to_check(judged: Sequence[tuple[Pending, float, float]], useful: Callable[[s
     """The proposals of a round to check for fit (see the module docstring), from `judged`: (proposal, value,
     keep) of the round's proposals that were not copies; `useful(author)`: it has a useful mark already."""
     eligible = [p for p, value, keep in judged if keep > 0 and value < proven and p.data]
+    eligible = [p for p, echo in zip(eligible, echoes(eligible)) if not echo]
     members = [p for p in eligible if useful(p.author)]
     strangers = [p for p in eligible if not useful(p.author)]
     rng.shuffle(members)
     rng.shuffle(strangers)
     return (members + strangers)[:limit]
+
+
+def echoes(proposals: Sequence[Pending], bar: float = ECHO_BAR) -> list[bool]:
+    """For each of `proposals`, whether it is an echo for the fit checks: its sample's |cos| with that of one
+    dated before it (by its herald, else by merge order: `Pending.date`) is at least `bar`."""
+    if len(proposals) < 2:
+        return [False] * len(proposals)
+    units = torch.stack([p.unit.reshape(-1) for p in proposals])
+    near = (units @ units.T).abs() >= bar
+    dates = torch.tensor([p.date for p in proposals], dtype=torch.float64)
+    order = torch.arange(len(proposals))
+    same = dates[None, :] == dates[:, None]
+    before = (dates[None, :] < dates[:, None]) | (same & (order[None, :] < order[:, None]))  # [i, j]: j before i
+    return (near & before).any(dim=1).tolist()
 
 
 class FitChecks:

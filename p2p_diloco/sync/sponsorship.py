@@ -211,7 +211,7 @@ class Sponsorship:
                 if self._judge(p.author, p.seq, p.sample, p.unit, p.step, p.factor, p.date, direction, (value, new),
                                nearby, p.ahead, defer_weak=fit is not None and bool(p.data)):
                     judged.append((p, *value))
-            if fit is not None and theta is not None:  # too weak for its direction: does it fit its batches?
+            if fit is not None and theta is not None:  # too weak for its direction: does it teach its stream?
                 self.fitted.check(judged, theta, fit, self.records, self.graduated)
         self._window.trim(MAX_WINDOW)
 

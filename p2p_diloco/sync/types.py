@@ -60,4 +60,5 @@ class Conflict:
 
 Fit = Callable[[str, tuple[int, ...], Tensor, Tensor], "bool | None"]
 """A sponsor's fit check (train/fit.py, sync/fitness.py): (author, its declared data position, its step, theta) ->
-whether the step fits the batches declared; None: it cannot be judged (nothing to redraw, no budget left)."""
+whether the step teaches the stream declared more than the judge's own step did; None: it cannot be judged
+(nothing to redraw, no budget left)."""

@@ -211,8 +211,8 @@ class Learner:
         extra, vouches, own, weight = relay_payload(self.replica.relay(delta, fit), weight, self.spec.outer)
         payload, decoded = outer_update(delta, self.outer_state, self.spec.outer, self.codec, stretch, consume=True,
                                         limit=self.sender_limit, extra=extra, own_share=own, replica=self.replica)
-        if self.fit is not None:  # our step as it moves theta: the next round's scale
-            self.fit.remember(position, decoded * (self.spec.outer.outer_lr * weight), self.sampler)
+        if self.fit is not None:  # our step as it moves theta: the next round's reference
+            self.fit.remember(position, decoded * (self.spec.outer.outer_lr * weight))
         own_merged = self.replica.version_vector.get(self.peer_id)
         update = make_update(
             run_id=self.spec.run_id, spec_hash=self.spec_hash, sender=self.peer_id, tau=tau, samples=result.samples,

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.sync.fitness import FIT_CHECKS, to_check
+from p2p_diloco.sync.fitness import FIT_CHECKS, echoes, to_check
 from p2p_diloco.sync.relayed import Pending
 from p2p_diloco.sync.sponsorship import PROVEN, RECORD, Sponsorship
 
@@ -96,3 +96,24 @@ def test_copies_and_work_against_ours_are_never_checked() -> None:
     s.merged("copy", 1, own.clone(), own.clone(), data=WHERE)  # a near copy of the sponsor's own update
     s.relay(torch.zeros_like(own), fit=lambda author, *_: checked.append(author) or True)
     assert checked == [] and not s.graduated("neg") and not s.graduated("copy")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 10)), min_size=1, max_size=10))
+def test_of_proposals_that_near_each_other_only_the_earliest_dated_is_checked(rows) -> None:
+    """An echo of a proposal (near it, |cos| >= ECHO_BAR) dated after it is not checked, negated or not: the first
+    of each cluster is; proposals far from every other are all eligible. Directions: 4 orthogonal axes, so a
+    cluster is exactly the proposals on one axis (some negated)."""
+    axes = torch.eye(4)
+    judged = []
+    for i, (axis, date) in enumerate(rows):
+        unit = axes[axis] * (-1 if i % 3 == 0 else 1)
+        judged.append((Pending(f"a{i}", 1, unit, unit, unit, 1.0, date, None, WHERE), 0.05, 0.2))
+    marks = echoes([p for p, _, _ in judged])
+    for axis in range(4):
+        on_axis = [(p.date, i) for i, (p, _, _) in enumerate(judged) if rows[i][0] == axis]
+        if on_axis:  # the earliest (by date, then merge order) is no echo, every other one is
+            first = min(on_axis)[1]
+            assert [marks[i] for _, i in on_axis] == [i != first for _, i in on_axis]
+    picked = to_check(judged, lambda a: False, PROVEN, random.Random(0), limit=10)
+    assert sorted(p.author for p in picked) == sorted(judged[i][0].author for i, m in enumerate(marks) if not m)
