@@ -45,8 +45,9 @@ def to_check(judged: Sequence[tuple[Pending, float, float]], useful: Callable[[s
              rng: random.Random, limit: int = FIT_CHECKS) -> list[Pending]:
     """The proposals of a round to check for fit (see the module docstring), from `judged`: (proposal, value,
     keep) of the round's proposals that were not copies; `useful(author)`: it has a useful mark already."""
-    eligible = [p for p, value, keep in judged if keep > 0 and value < proven and p.data]
-    eligible = [p for p, echo in zip(eligible, echoes(eligible)) if not echo]
+    marks = echoes([p for p, _, _ in judged])  # over the whole round: an echo of work valued in full is one too
+    eligible = [p for (p, value, keep), echo in zip(judged, marks) if keep > 0 and value < proven and p.data
+                and not echo]
     members = [p for p in eligible if useful(p.author)]
     strangers = [p for p in eligible if not useful(p.author)]
     rng.shuffle(members)

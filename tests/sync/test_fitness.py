@@ -101,9 +101,9 @@ def test_copies_and_work_against_ours_are_never_checked() -> None:
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 10)), min_size=1, max_size=10))
 def test_of_proposals_that_near_each_other_only_the_earliest_dated_is_checked(rows) -> None:
-    """An echo of a proposal (near it, |cos| >= ECHO_BAR) dated after it is not checked, negated or not: the first
-    of each cluster is; proposals far from every other are all eligible. Directions: 4 orthogonal axes, so a
-    cluster is exactly the proposals on one axis (some negated)."""
+    """An echo of a proposal (near it, |cos| >= ECHO_BAR) dated after it is not checked, negated or not, whether or
+    not the first of its cluster is a candidate; the first is; proposals far from every other are all eligible.
+    Directions: 4 orthogonal axes, so a cluster is exactly the proposals on one axis (some negated)."""
     axes = torch.eye(4)
     judged = []
     for i, (axis, date) in enumerate(rows):
@@ -117,3 +117,6 @@ def test_of_proposals_that_near_each_other_only_the_earliest_dated_is_checked(ro
             assert [marks[i] for _, i in on_axis] == [i != first for _, i in on_axis]
     picked = to_check(judged, lambda a: False, PROVEN, random.Random(0), limit=10)
     assert sorted(p.author for p in picked) == sorted(judged[i][0].author for i, m in enumerate(marks) if not m)
+    # The earliest of each cluster valued in full (not a candidate itself): its echoes are still not checked.
+    strong = [(p, 2 * PROVEN if not marks[i] else value, keep) for i, (p, value, keep) in enumerate(judged)]
+    assert to_check(strong, lambda a: False, PROVEN, random.Random(0), limit=10) == []
