@@ -158,8 +158,8 @@ class FitJudge:
         self.stats["forwards"] += self.cost
         self.credit -= self.cost
         losses = []
-        for sign, moved in ((0, step), (-1, step), (1, own)):  # one parameter-sized point at a time
-            load_flat_params(self.model, theta if sign == 0 else theta + sign * moved)
+        for sign, by in ((0, step), (-1, step), (1, own)):  # one parameter-sized point at a time
+            load_flat_params(self.model, theta if sign == 0 else theta + sign * by)
             losses.append(evaluate(self.model, fresh))
         now, moved, before = losses
         return (now - moved) - max(0.0, before - now), now
