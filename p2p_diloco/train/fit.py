@@ -1,5 +1,5 @@
 """The fit judge: does a proposal's work teach the data its author says it trained on, more than our own work
-does? (BENCHMARKS "Fit checks"; templar's Gauntlet on assigned pages.)
+does? (BENCHMARKS "Fit checks" and "The lift"; templar's Gauntlet on assigned pages.)
 
 A unit's batches are a pure function of its data position (wire/position.py `DataPosition`: seed, shard, stream,
 step), so a sponsor holding the run's data can draw batches of the stream an author's phase read, at steps no
