@@ -18,7 +18,7 @@ proposal longer than the judge's own step is judged scaled down to it (length bu
 Why not the fit to the author's own batches (`dL(trained) - dL(unseen)`, what this judge read first): on a shard
 the model has not learned, work's effect generalizes to the whole shard and the fit to its own batches is a
 residual (+0.001..+0.11 beside +0.29..+0.50), so one check was a coin; the lift of the same proposals was 8-14% of
-the shard's loss in every check (BENCHMARKS "Fit checks").
+the shard's loss in every check (BENCHMARKS "The lift").
 
 Where it is used: a direction judge (sync/worth.py) cannot see work on a file shard of the author's own (it points
 little along the sponsors'), so the sponsors' record (sync/sponsorship.py "Graduation") counts a proposal that
