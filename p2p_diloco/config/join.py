@@ -61,7 +61,7 @@ class TrainingConfig:
     weak for their direction teach the stream they declare more than its own step did (train/fit.py `FIT_SHARE`;
     one that does counts for its author's graduation). 0: no checks. At 0.05 a late volunteer on a file shard of
     its own was carried by every sponsor from its 3rd update in 2 of 4 seeds, by 2 of 3 in the others, for 3-3.6%
-    of the sponsors' compute (BENCHMARKS.md "Fit checks")."""
+    of the sponsors' compute (BENCHMARKS.md "The lift")."""
     shard: int = -1
     """Data shard to train on (-1: int(sha256(peer id)) mod num_shards)."""
     num_shards: int = 1

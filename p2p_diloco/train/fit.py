@@ -48,12 +48,12 @@ FIT_BATCHES = 4
 """Unseen batches of the declared stream read per check."""
 LIFT_BAR = 0.02
 """The share of the declared stream's loss a proposal's lift must reach: a late file-shard volunteer's were 8-14%
-(BENCHMARKS "Fit checks")."""
+(BENCHMARKS "The lift")."""
 FIT_SHARE = 0.05
 """The share of a sponsor's own compute its fit checks may take, counted in forwards: each round adds FIT_SHARE x
 FORWARDS_PER_STEP x its inner steps of credit (at most MAX_CREDIT checks' worth kept), and a check spends its
 forwards. At 0.05 (the issue's budget for judging) that is a check (3 x 4 forwards) every ~2 rounds at H = 50,
-every ~4 at the `test` preset's H = 20 (BENCHMARKS "Fit checks"; 0: no judge is made). The default, and
+every ~4 at the `test` preset's H = 20 (BENCHMARKS "The lift"; 0: no judge is made). The default, and
 `--training.fit-share`'s (config/join.py)."""
 FORWARDS_PER_STEP = 3
 """What an inner step costs in forwards of one batch (a forward and a backward: ~2 more)."""
@@ -158,8 +158,8 @@ class FitJudge:
         self.stats["forwards"] += self.cost
         self.credit -= self.cost
         losses = []
-        for sign, by in ((0, step), (-1, step), (1, own)):  # one parameter-sized point at a time
-            load_flat_params(self.model, theta if sign == 0 else theta + sign * by)
+        for point in (lambda: theta, lambda: theta - step, lambda: theta + own):  # one parameter-sized at a time
+            load_flat_params(self.model, point())
             losses.append(evaluate(self.model, fresh))
         now, moved, before = losses
         return (now - moved) - max(0.0, before - now), now
