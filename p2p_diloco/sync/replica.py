@@ -41,24 +41,17 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    `gap_timeout_s` and spans at most `max_hole_span` seqs: the missing seqs become holes of `V`
    (`VersionVector.with_merged`) and the lowest buffered seq merges. If a hole's update turns up later it
    merges late, exactly once; anti-entropy serves holes like any missing seq (`UpdateStore.missing_for`).
-   A replica that merged an update others skipped and that it can no longer serve adopts their state
-   (`adopt`, triggered on `UpdateStore.unservable_for`), so all replicas meet again. When to skip is each
-   replica's own (timing) decision; what it changes is named exactly by V, so the replicas differ only while
-   the vectors differ, and pulls or the repair make the vectors equal.
+   A replica that merged an update others skipped and can no longer serve adopts their state (`adopt`, on
+   `UpdateStore.unservable_for`). When to skip is each replica's (timing) decision; V names what it changes.
 7. Equivocation repair: replicas that merged different versions of one equivocated slot hold equal vectors
    and different `theta`s, which no vector comparison would ever notice. So when a sender is banned for
    equivocation, each replica takes back (`unmerge`) whichever of the two proven versions it merged: the
    slot becomes a hole (or the entry drops below it) everywhere, and what was merged there is the same
-   set again. Every later seq of that sender merged here is taken back too (those held: `Intake`), so a
-   sender that split several slots leaves the same set everywhere: its seqs below the proven one.
+   set again. Every later seq of that sender merged here is taken back too (those held: `Intake`).
 
-Threading: the network thread offers while the compute thread takes snapshots. `offer` runs in named stages:
-admit (under the lock: the (sender, seq) checks and the layout check, `Slots.admit`), screen (outside it: decode,
-finiteness, the norm bound, sync/screening.py), then either wait (an update that must wait for a gap is buffered
-once screened, after admitting it again under the lock: others ran meanwhile) or merge (under the lock, admitted
-again before the axpy, so two threads decoding the same update merge it once; its buffered successors follow).
-Each update is decoded once (`offer(decoded=...)`, sync/pending.py). The slots' bookkeeping (V, merged ids,
-buffer, bans) is sync/slots.py. The replica knows nothing of training: `Replica.from_spec` builds it from a spec.
+Threading: `offer` admits under the lock (`Slots.admit`), screens outside it (sync/screening.py), then buffers or
+merges under it, admitted again first (two threads decoding one update merge it once). Group sums merge
+their slots at once or not at all: sync/sum_merge.py. Bookkeeping: sync/slots.py; built from a spec: `from_spec`.
 """
 
 from __future__ import annotations
@@ -67,7 +60,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -81,6 +74,7 @@ from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, check_theta, header_ok
 from p2p_diloco.sync.slots import LayoutCheck, Slots
 from p2p_diloco.sync.standing import Standing
+from p2p_diloco.sync.sum_merge import SumOutcome, SumPart, exact_step, merge_sum
 from p2p_diloco.sync.types import Fit, MergeOutcome, UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import Codec, get_codec
@@ -102,8 +96,7 @@ class Replica:
         decodes every payload (the run's: `from_spec` builds it from the spec). `standing`: the merge weight
         earned by contribution (sync/standing.py); None merges every update at its signed weight."""
         self._rule = MergeRule(theta, outer_lr=outer_lr, max_weight=max_weight, codec=codec, standing=standing)
-        self.max_ids_per_sender = max_ids_per_sender
-        self.gap_timeout_s, self.max_hole_span = math.inf, 16
+        self.max_ids_per_sender, self.gap_timeout_s, self.max_hole_span = max_ids_per_sender, math.inf, 16
         self._clock: Callable[[], float] = time.monotonic  # dates gaps and merges (`set_clock`)
         self.lock = threading.RLock()
         self.stats: dict[str, int] = {**{o.value: 0 for o in MergeOutcome}, "holes_skipped": 0, "late_merged": 0}
@@ -174,7 +167,7 @@ class Replica:
         return self._slots.buffer.count
 
     @property
-    def buffered_bytes(self) -> int:
+    def buffered_bytes(self) -> int:  # the buffer's bytes, as `max_buffered_bytes` bounds them
         return self._slots.buffer.nbytes
 
     def snapshot(self) -> tuple[Tensor, VersionVector]:
@@ -197,11 +190,9 @@ class Replica:
     @delivers_bans
     def offer(self, update: UpdateLike, *, check: LayoutCheck | None = None, now_s: float | None = None,
               decoded: Tensor | None = None) -> tuple[MergeOutcome, list[UpdateLike]]:
-        """Offer one update. Returns its outcome and every update this call merged (it first, then any
-        buffered successors it released), e.g. for re-announcing them. `check` runs after the (sender, seq)
-        checks and before buffering or decoding; a reason from it is REJECTED_LAYOUT and bans the sender.
-        `now_s` (default: `clock()`) dates a new gap for `expire_gaps`. `decoded`: the codec's output for this
-        payload, when the caller has it (the sender: the tensor it encoded), so it is not decoded again."""
+        """Offer one update: its outcome and every update merged (it, then buffered successors it released).
+        `check`: the layout check, after the (sender, seq) checks (a reason: REJECTED_LAYOUT, a ban). `now_s`
+        (default `clock()`) dates a new gap. `decoded`: the codec's output for this payload, if the caller has it."""
         if not header_ok(update):
             return self._reject_malformed(update), []
         now_s = self.clock() if now_s is None else now_s
@@ -217,6 +208,16 @@ class Replica:
                 return waited, []
             prepared = self._rule.screen(update, prepared.delta)  # it became ready while we screened it (rare)
         return self._chain.run(Waiting(update, None), now_s=now_s, clock=self.clock, prepared=prepared)
+
+    def offer_sum(self, parts: Sequence[SumPart], total: Tensor) -> SumOutcome:
+        """Merge a group sum (exact grid `total` over `parts`) at once, or not at all: sync/sum_merge.py."""
+        return merge_sum(self.lock, self._slots, self._rule, self.stats, parts, total, self.clock)
+
+    def exact_step(self, update: UpdateLike) -> Tensor | None:
+        """`update`'s step on the exact grid (an aggregator's part); None: refused, or its weight not exact."""
+        s = self.standing
+        multiplier = s.exact_multiplier(update.sender, update.seq) if s is not None else 1.0
+        return None if multiplier is None else exact_step(self._rule, update, multiplier)
 
     @delivers_bans
     def expire_gaps(self, now_s: float | None = None) -> tuple[list[UpdateLike], int]:
@@ -297,8 +298,7 @@ class Replica:
         return merged
 
     def max_step(self) -> float:
-        """Bound on how far one merge moves any coordinate of theta (outer_lr * max_weight * the policy's ceiling;
-        inf if unbounded). Replicas whose merged sets differ by d updates differ by at most d times this (repair)."""
+        """Bound on how far one merge moves a coordinate of theta (inf: unbounded); the repair's unit of distance."""
         return self._rule.max_step()
 
     @delivers_bans

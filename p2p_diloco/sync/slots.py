@@ -66,9 +66,13 @@ class Slots:
 
     def record(self, update: UpdateLike, multiplier: float) -> bool:
         """`update` merged at `multiplier` of its weight: V and the ids take it in. True if it filled a hole."""
-        late = update.seq in self.vv.holes(update.sender)
-        self.vv = self.vv.with_merged(update.sender, update.seq)
-        self.merged.record(update.sender, update.seq, update.update_id, multiplier)
+        return self.record_slot(update.sender, update.seq, update.update_id, multiplier)
+
+    def record_slot(self, sender: str, seq: int, update_id: bytes, multiplier: float) -> bool:
+        """`record` by the slot's names alone (a part of a group sum: sync/sum_merge.py)."""
+        late = seq in self.vv.holes(sender)
+        self.vv = self.vv.with_merged(sender, seq)
+        self.merged.record(sender, seq, update_id, multiplier)
         return late
 
     def successor(self, merged: UpdateLike, first_sender: str, now_s: float) -> Waiting | None:

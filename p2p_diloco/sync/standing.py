@@ -161,6 +161,29 @@ class Standing:
         if sender == self.self_id or sender in self.authors.good:
             self.reference.fold(delta)
 
+    def exact_multiplier(self, sender: str, seq: int) -> float | None:
+        """The multiplier of `sender`'s update `seq` when it follows from its signed header alone, as a group sum's
+        part needs (sync/sum_merge.py): probation by seq, or in a run with founders a sponsor's probation and a
+        proposal's 0. None where vetting reads payloads (the copy window, the reference's tests, a joiner's donor
+        rule) or this peer is a sponsor (it judges payloads): such a replica merges the parts one by one."""
+        base = probation_multiplier(seq, self.probation)
+        if self.sponsorship.active:
+            return None if self.sponsorship.judging else base if self.sponsorship.is_sponsor(sender) else 0.0
+        vetting = (self.copy_cosine > 0 or self.min_agreement > -1.0 or self.max_norm_ratio > 0
+                   or self.full_agreement > 0)
+        if vetting or (self.reference.vector is None and self.authors.unvetted(sender)):
+            return None
+        return 0.0 if sender in self.authors.distrusted else base
+
+    def summed(self, sender: str, seq: int, now: float, multiplier: float) -> None:
+        """After a group sum merged `sender`'s update `seq` at `multiplier` (no payload here: nothing to fold into
+        the reference or the copy window, which exact-weight runs do not read). A full weight earns standing: in
+        such a run nothing but the weight rule stands between an author and it."""
+        if multiplier <= 0:
+            self.authors.weightless(sender)
+        else:
+            self.authors.merged(sender, seq, now, multiplier, earns_standing=multiplier >= 1.0)
+
     def sponsored_merge(self, sender: str, seq: int, delta: Tensor | Decoded, step: Tensor | Decoded | None,
                         factor: float, vouches: list[tuple[bytes, float]], *, update_id: bytes | None = None,
                         now: float | None = None, data: tuple[int, ...] = ()) -> None:

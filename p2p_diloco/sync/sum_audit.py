@@ -1,0 +1,131 @@
+"""Auditing a group sum, and the evidence that an aggregator lied (ARCHITECTURE.md "Aggregation").
+
+A sum is exact (sync/exact_sum.py), so "is this the sum of what it names" has one answer, bit for bit, on every
+machine. An auditor holding a sum's inputs (its child sums and the updates its aggregator added itself, the
+*direct* parts) recomputes a chunk and compares. A chunk proves itself against the root a signed header names
+(wire/merkle.py), so a check needs only the chunks it draws, and a mismatch is **evidence anyone can verify**:
+the lying sum's signed header with that chunk and its proof, each child's signed header with the same chunk and
+proof, and the direct parts as whole signed updates. It is re-checked on receipt like an equivocation proof and
+acted on alike (the aggregator banned; a total it signed is never merged).
+
+What the aggregator cannot misstate at all: which updates it covers (each part is its author's signed herald) and
+the weight each merges with (the merge rule's, from the part's own header). What it can do and the audit sees:
+put anything else in the payload. What this module does not see: a member's update it left out (that takes the
+member's signed receipt: not built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from p2p_diloco.sync.exact_sum import decode_grid
+from p2p_diloco.sync.types import UpdateLike
+from p2p_diloco.wire.merkle import CHUNK, chunk_bytes, merkle_proof, verify_chunk
+from p2p_diloco.wire.sums import GroupSum
+
+StepOf = Callable[[UpdateLike], Tensor | None]
+"""An update's exact merge step on the grid (`Replica.exact_step`); None if it is refused."""
+
+
+@dataclass(frozen=True)
+class ChunkProof:
+    """Chunk `index` of a sum's payload, provable against the root its signed header names."""
+
+    sum: GroupSum  # its header and signature are what count; the payload may be absent (b"")
+    data: bytes
+    proof: tuple[bytes, ...]
+
+    def valid(self, index: int) -> bool:
+        return verify_chunk(self.sum.header.root, self.sum.header.numel, index, self.data, list(self.proof))
+
+
+@dataclass(frozen=True)
+class SumLie:
+    """Evidence that `claimed` is not, at chunk `index`, its children's chunks plus its direct parts' steps."""
+
+    index: int
+    claimed: ChunkProof
+    children: tuple[ChunkProof, ...]
+    direct: tuple[UpdateLike, ...]
+
+    @property
+    def aggregator(self) -> str:
+        return self.claimed.sum.aggregator
+
+
+def prove_chunk(s: GroupSum, index: int) -> ChunkProof:
+    """Chunk `index` of a sum whose payload we hold, with its proof."""
+    return ChunkProof(s, chunk_bytes(s.payload, index), tuple(merkle_proof(s.payload, s.header.numel, index)))
+
+
+def direct_slots(s: GroupSum, children: Sequence[GroupSum]) -> set[tuple[str, int]] | None:
+    """The slots `s` adds itself: its parts less its children's; None if the children are not the ones it names
+    or their parts are not all among its own (that alone is a malformed sum: refuse it)."""
+    named = {c.sum_id for c in children}
+    if named != {sid for sid, _ in s.header.children} or len(named) != len(children):
+        return None
+    mine = set(s.header.slots)
+    theirs = [slot for c in children for slot in c.header.slots]
+    if len(theirs) != len(set(theirs)) or not set(theirs) <= mine:
+        return None
+    return mine - set(theirs)
+
+
+def expected_chunk(index: int, numel: int, children: Sequence[bytes], direct: Sequence[Tensor]) -> bytes:
+    """What chunk `index` of a sum must be: its children's chunks plus its direct parts' steps, as int32 bytes."""
+    lo, hi = index * CHUNK, min(numel, (index + 1) * CHUNK)
+    total = torch.zeros(hi - lo, dtype=torch.int64)
+    for data in children:
+        total += decode_grid(data, hi - lo)
+    for step in direct:
+        total += step[lo:hi]
+    return total.to(torch.int32).numpy().astype("<i4").tobytes()
+
+
+def audit(s: GroupSum, children: Sequence[GroupSum], direct: Sequence[UpdateLike], step_of: StepOf,
+          indices: Sequence[int]) -> SumLie | None:
+    """Check `s` (payload held) at chunks `indices` against its inputs, held whole: the evidence if it lies.
+    ValueError if the inputs are not the ones it names (the caller cannot audit with them)."""
+    slots = direct_slots(s, children)
+    if slots is None or slots != {(u.sender, u.seq) for u in direct} or len(direct) != len(slots):
+        raise ValueError("these are not the inputs the sum names")
+    ids = {p.slot: p.update_id for p in s.header.parts}
+    if any(ids[(u.sender, u.seq)] != u.update_id for u in direct):
+        raise ValueError("a direct part is another update than the one the sum names")
+    steps = [step_of(u) for u in direct]
+    for index in indices:
+        lie = _check(s, index, [prove_chunk(c, index) for c in children], direct, steps)
+        if lie is not None:
+            return lie
+    return None
+
+
+def verify_lie(lie: SumLie, step_of: StepOf) -> bool:
+    """Re-check evidence received from another peer: True only if it proves the lie (signatures were checked
+    when each sum was decoded; here: the proofs, the inputs' names, and the arithmetic)."""
+    s, index = lie.claimed.sum, lie.index
+    if not lie.claimed.valid(index) or not all(c.valid(index) for c in lie.children):
+        return False
+    slots = direct_slots(s, [c.sum for c in lie.children])
+    if slots is None or slots != {(u.sender, u.seq) for u in lie.direct} or len(lie.direct) != len(slots):
+        return False
+    ids = {p.slot: p.update_id for p in s.header.parts}
+    if any(ids[(u.sender, u.seq)] != u.update_id for u in lie.direct):
+        return False
+    steps = [step_of(u) for u in lie.direct]
+    return _check(s, index, list(lie.children), lie.direct, steps, claimed=lie.claimed) is not None
+
+
+def _check(s: GroupSum, index: int, children: list[ChunkProof], direct: Sequence[UpdateLike],
+           steps: Sequence[Tensor | None], claimed: ChunkProof | None = None) -> SumLie | None:
+    claimed = claimed or prove_chunk(s, index)
+    if any(step is None for step in steps):  # it added a part the merge rule refuses: as false as a wrong sum
+        return SumLie(index, claimed, tuple(children), tuple(direct))
+    expected = expected_chunk(index, s.header.numel, [c.data for c in children], [t for t in steps if t is not None])
+    if expected == claimed.data:
+        return None
+    return SumLie(index, claimed, tuple(children), tuple(direct))

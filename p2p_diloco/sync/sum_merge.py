@@ -1,0 +1,98 @@
+"""Merging a group sum (ARCHITECTURE.md "Aggregation"): many slots at once, by one axpy of their exact
+sum, under the same rules a single update merges by (sync/replica.py).
+
+A sum is over a named set of (author, seq) slots. It merges here only when the set fits the version vector as
+a whole: every part is its author's next seq (or a hole), no part is merged or buffered here already, no author
+is banned, and every part's weight is exact (a function of its own signed header: probation by seq, a sponsor's
+or a proposal's in a run with founders; `Standing.exact_multiplier`). Then the slots enter V together and theta
+moves by the sum, so **no slot is merged twice, through two sums or a sum and a pull**, and replicas that merged
+the same set (by sums or one by one) are equal, exactly so when by the same sums. Otherwise the sum is refused with
+the reason and the caller falls back to pulling its parts (direct dissemination): a sum never merges in part.
+
+What a receiver cannot check itself is that the payload is the sum of the parts' steps; that is the audit's
+(sync/sum_audit.py): a holder of the inputs recomputes it bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from p2p_diloco.sync.exact_sum import SumRangeError, from_grid, to_grid
+from p2p_diloco.sync.merge_rule import MergeRule
+from p2p_diloco.sync.robust import peak
+from p2p_diloco.sync.slots import Slots
+from p2p_diloco.sync.types import UpdateLike
+from p2p_diloco.sync.version_vector import VersionVector
+
+
+@dataclass(frozen=True)
+class SumPart:
+    """One slot a sum covers, as the receiver reads it from the part's signed header."""
+
+    sender: str
+    seq: int
+    update_id: bytes
+    weight: float
+
+
+@dataclass(frozen=True)
+class SumOutcome:
+    merged: bool
+    reason: str = ""  # why not: "banned", "held" (a part merged or buffered here), "gap", "inexact", "overflow"
+
+
+def exact_step(rule: MergeRule, update: UpdateLike, multiplier: float) -> Tensor | None:
+    """The step `update` moves theta by when it merges at `multiplier`, on the exact grid (an aggregator's part;
+    also how an auditor recomputes one); None if screening refuses it (the aggregator leaves it out)."""
+    prepared = rule.screen(update, None)
+    if prepared.rejection is not None or prepared.scaled is None:
+        return None
+    step = prepared.scaled.whole() * prepared.factor
+    try:
+        return to_grid(step * multiplier if multiplier != 1.0 else step)
+    except SumRangeError:
+        return None
+
+
+def merge_sum(lock: threading.RLock, slots: Slots, rule: MergeRule, stats: dict[str, int],
+              parts: Sequence[SumPart], total: Tensor, clock: Callable[[], float]) -> SumOutcome:
+    """Merge the sum `total` (grid values, sync/exact_sum.py) of `parts` into theta, or say why not."""
+    step = from_grid(total)
+    with lock:
+        standing = rule.standing
+        multipliers: list[float] = []
+        vv: VersionVector = slots.vv
+        for part in sorted(parts, key=lambda p: (p.sender, p.seq)):
+            if part.sender in slots.bans.banned:
+                return _refused(stats, "banned")
+            if vv.has(part.sender, part.seq) or slots.buffer.get(part.sender, part.seq) is not None:
+                return _refused(stats, "held")
+            if not (part.seq == vv.get(part.sender) + 1 or part.seq in vv.holes(part.sender)):
+                return _refused(stats, "gap")
+            multiplier = standing.exact_multiplier(part.sender, part.seq) if standing is not None else 1.0
+            if multiplier is None:
+                return _refused(stats, "inexact")
+            multipliers.append(multiplier)
+            vv = vv.with_merged(part.sender, part.seq)
+        bound = peak(step)
+        if not rule.sum.subtract(step, bound):
+            return _refused(stats, "overflow")
+        now = clock()
+        for part, multiplier in zip(sorted(parts, key=lambda p: (p.sender, p.seq)), multipliers, strict=True):
+            slots.record_slot(part.sender, part.seq, part.update_id, multiplier)
+            if standing is not None:
+                standing.summed(part.sender, part.seq, now, multiplier)
+        stats["sums_merged"] = stats.get("sums_merged", 0) + 1
+        stats["merged"] += len(parts)
+    return SumOutcome(True)
+
+
+def _refused(stats: dict[str, int], reason: str) -> SumOutcome:
+    key = f"sum_refused_{reason}"
+    stats[key] = stats.get(key, 0) + 1
+    return SumOutcome(False, reason)
+
