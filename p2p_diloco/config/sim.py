@@ -61,6 +61,14 @@ class SimConfig:
     """Simulated seconds between eval points on the loss curve (0: about 20 points per run)."""
     eval_batches: int = 8
     """Eval batches per eval point."""
+    aggregate: int = 0
+    """Fan-in of the epoch's aggregation tree (sim/aggregation.py: group sums instead of a copy of every update to
+    every peer); 0: full dissemination."""
+    epoch_s: float = 0.0
+    """Simulated seconds an aggregation tree lasts before it rotates (0: 10 of the fastest peer's phases)."""
+    fallback_epochs: int = 3
+    """Sum timeouts (a quarter phase each, plus the tree's hops) after which an author sends an update some live
+    peer still lacks to everyone itself."""
     device: str = "cpu"
     """Where every simulated peer's model trains: cpu (reproducible results), auto, cuda, cuda:N or mps."""
 
@@ -79,6 +87,8 @@ class SimConfig:
         require(0 <= self.sponsors <= self.peers, f"sponsors must be in [0, peers], got {self.sponsors}")
         require(0 <= self.grace <= 4, f"grace must be in [0, 4], got {self.grace}")
         require(self.eval_batches > 0, f"eval_batches must be > 0, got {self.eval_batches}")
+        require(self.aggregate == 0 or self.aggregate >= 2, f"aggregate must be 0 or >= 2, got {self.aggregate}")
+        require(self.epoch_s >= 0 and self.fallback_epochs >= 1, "epoch_s must be >= 0 and fallback_epochs >= 1")
         speeds = self.speed_factors()
         require(all(s > 0 for s in speeds), f"speeds must all be > 0, got {self.speeds}")
         self.crashes()

@@ -33,24 +33,29 @@ class MemoryNetwork:
         self.rng = rng
         self.handlers: dict[str, Handler] = {}
         self.herald_handlers: dict[str, Handler] = {}
+        self.sum_handlers: dict[str, Handler] = {}  # group sums going up a tree and totals coming down (data, kind)
         self.bytes_sent: Counter[str] = Counter()
         self.messages_lost = 0
         self.in_flight = 0
         self._uplink_free_at: dict[str, float] = {}
 
-    def attach(self, peer: str, handler: Handler, on_herald: Handler | None = None) -> None:
+    def attach(self, peer: str, handler: Handler, on_herald: Handler | None = None,
+               on_sum: Handler | None = None) -> None:
         self.handlers[peer] = handler
         if on_herald is not None:
             self.herald_handlers[peer] = on_herald
+        if on_sum is not None:
+            self.sum_handlers[peer] = on_sum
 
     def detach(self, peer: str) -> None:
-        self.handlers.pop(peer, None)
-        self.herald_handlers.pop(peer, None)
+        for handlers in (self.handlers, self.herald_handlers, self.sum_handlers):
+            handlers.pop(peer, None)
 
-    def send(self, src: str, dst: str, data: bytes, *, herald: bool = False) -> float | None:
+    def send(self, src: str, dst: str, data: bytes, *, herald: bool = False, kind: str = "") -> float | None:
         """Queue one message on src's uplink; it arrives after transmission time plus latency (or is lost).
-        `herald`: an update's herald (wire/herald.py), delivered to the receiver's herald handler. Returns when it
-        arrives (None: lost)."""
+        `herald`: an update's herald (wire/herald.py), delivered to the receiver's herald handler; `kind`: a group
+        sum's ("sum" up the tree, "total" down: sim/aggregation.py), to its sum handler with the kind. Returns when
+        it arrives (None: lost)."""
         self.bytes_sent[src] += len(data)
         start = max(self.queue.now, self._uplink_free_at.get(src, 0.0))
         done = start + len(data) / self.bytes_per_s
@@ -60,7 +65,7 @@ class MemoryNetwork:
             return None
         self.in_flight += 1
         arrives = done + self.latency()
-        self.queue.push(arrives, self._deliver, src, dst, data, herald)
+        self.queue.push(arrives, self._deliver, src, dst, data, herald, kind)
         return arrives
 
     def latency(self) -> float:
@@ -76,8 +81,13 @@ class MemoryNetwork:
         for dst in others:
             self.send(src, dst, data)
 
-    def _deliver(self, src: str, dst: str, data: bytes, herald: bool = False) -> None:
+    def _deliver(self, src: str, dst: str, data: bytes, herald: bool = False, kind: str = "") -> None:
         self.in_flight -= 1
+        if kind:
+            on_sum = self.sum_handlers.get(dst)
+            if on_sum is not None:
+                on_sum(data, kind)
+            return
         handler = (self.herald_handlers if herald else self.handlers).get(dst)
         if handler is not None:  # a crashed peer receives nothing
             handler(data, src)
@@ -87,8 +97,10 @@ class MemoryExchange:
     """The `Exchange` of one peer on a `MemoryNetwork`: publish = full dissemination of the encoded update."""
 
     def __init__(self, network: MemoryNetwork, peer_id: str, view: Callable[[], SwarmView],
-                 backlog: Callable[[], int] | None = None, heralds_to: Sequence[str] = (), herald_wait: bool = True):
+                 backlog: Callable[[], int] | None = None, heralds_to: Sequence[str] = (), herald_wait: bool = True,
+                 disseminate: Callable[[str, bytes, OuterUpdate], None] | None = None):
         self.network, self.peer_id, self._view, self._backlog = network, peer_id, view, backlog
+        self.disseminate = disseminate  # instead of a copy to everyone (an aggregation tree: sim/aggregation.py)
         # The sponsors, for a proposer (sync/heralds.py); a sponsor heralds nothing, as a real peer (net/gossip).
         self.heralds_to = [] if peer_id in heralds_to else list(heralds_to)
         self.herald_wait = herald_wait
@@ -103,7 +115,9 @@ class MemoryExchange:
                 acks = [a + self.network.latency() if a is not None else math.inf for a in arrivals]
                 self.released_at = min(max(acks), now + HERALD_WAIT_S)
         data = encode_update(update)
-        if self.released_at > now:
+        if self.disseminate is not None:
+            self.disseminate(self.peer_id, data, update)
+        elif self.released_at > now:
             self.network.queue.push(self.released_at, self.network.broadcast, self.peer_id, data)
         else:
             self.network.broadcast(self.peer_id, data)

@@ -10,11 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.sync.round_view import round_view
 from p2p_diloco.train.data.corpus import evaluate
 from p2p_diloco.train.models.build import build_model, load_flat_params
 
 if TYPE_CHECKING:
     from p2p_diloco.config import RunSpec
+    from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
 
 Progress = Callable[[int, int, float | None], None]
 """A run's progress callback: (steps done, steps in all, the last train loss or None)."""
@@ -109,3 +112,38 @@ def eval_theta(spec: RunSpec, theta: torch.Tensor, batches: list, device: torch.
     model = build_model(spec.model, spec.seed).to(device)
     load_flat_params(model, theta)
     return evaluate(model, batches)
+
+
+def swarm_result(swarm: AsyncSwarm) -> SimResult:
+    """What an in-process swarm's run reports, once its queue drained."""
+    alive = [p for p in swarm.peers if p.alive]
+    if not alive:
+        raise ConfigError("every peer crashed before the run ended: nothing is left to evaluate "
+                          "(script fewer crashes, or add --join)")
+    final = {p.index: p.learner.evaluate(swarm.eval_set) for p in alive}
+    losses = list(final.values())
+    thetas = [p.learner.replica.snapshot()[0] for p in alive]
+    tokens = swarm.steps_started * swarm.spec.data.batch_size * swarm.spec.model.block_size
+    swarm.curve.append(EvalPoint(time_s=swarm.queue.now, tokens=tokens, loss=losses[0]))
+    reports = []
+    for p in swarm.peers:
+        end = next(t for t in (p.left_at, p.done_at, swarm.queue.now) if t is not None)
+        lifetime = end - p.joined_at
+        reports.append(PeerReport(
+            index=p.index, peer_id=p.learner.peer_id, alive=p.alive, steps=p.learner.step,
+            bytes_sent=swarm.net.bytes_sent[p.learner.peer_id],
+            tokens=p.learner.step * swarm.spec.data.batch_size * swarm.spec.model.block_size,
+            utilization=p.compute_s / lifetime if lifetime > 0 else 0.0, taus=p.taus, waits=p.waits,
+            eval_loss=final.get(p.index),
+            rejected=dict(p.intake.counts)))
+    return SimResult(method="async", eval_loss=float(sum(losses) / len(losses)), sim_time_s=swarm.queue.now,
+                     tokens=tokens, divergence=divergence(thetas), curve=swarm.curve, peers=reports,
+                     messages_lost=swarm.net.messages_lost, numel=alive[0].learner.numel,
+                     theta=torch.stack(thetas).mean(0), round_loss=_round_loss(swarm, alive[0], 1),
+                     tail_loss=_round_loss(swarm, alive[0], TAIL_ROUNDS))
+
+
+def _round_loss(swarm: AsyncSwarm, peer: SimPeer, rounds: int) -> float | None:
+    """Eval loss of `peer`'s round view (sync/round_view.py) on a model of its own; None if it has none."""
+    view = round_view(peer.learner.replica, peer.store.get, rounds)
+    return None if view is None else eval_theta(swarm.spec, view[0], swarm.eval_set, swarm.device)

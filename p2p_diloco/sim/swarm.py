@@ -22,12 +22,12 @@ from typing import cast
 
 import torch
 
-from p2p_diloco.config import ConfigError, RunSpec, SimConfig
+from p2p_diloco.config import RunSpec, SimConfig
+from p2p_diloco.sim.aggregation import TreeDissemination
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
-from p2p_diloco.sim.result import TAIL_ROUNDS, EvalPoint, PeerReport, Progress, SimResult, divergence, eval_theta
+from p2p_diloco.sim.result import EvalPoint, Progress, SimResult, swarm_result
 from p2p_diloco.sync.intake import Intake
-from p2p_diloco.sync.round_view import round_view
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.types import UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
@@ -131,6 +131,9 @@ class AsyncSwarm:
         H, speeds = spec.inner.inner_steps, sim.speed_factors()
         self.phase_s = [H * sim.step_time_s / s for s in speeds]
         self.eval_every_s = sim.eval_every_s or (sim.total_steps / sim.peers * sim.step_time_s / 20)
+        self.tree = TreeDissemination(self, fan_in=sim.aggregate, epoch_s=sim.epoch_s or 10 * min(self.phase_s),
+                                      wait_s=0.25 * min(self.phase_s),
+                                      fallback_epochs=sim.fallback_epochs) if sim.aggregate else None
 
     # ---- peers ----------------------------------------------------------------------------------------
 
@@ -146,15 +149,21 @@ class AsyncSwarm:
         # Gaps, standing and heralds go by the simulated clock (a loaded machine's wall clock would time gaps out)
         learner.replica.set_clock(lambda: self.queue.now)
         exchange = MemoryExchange(self.net, learner.peer_id, self._view, heralds_to=self.heralds_to,
-                                  herald_wait=self.sim.herald_wait)
+                                  herald_wait=self.sim.herald_wait,
+                                  disseminate=self.tree.publish if self.tree is not None else None)
         peer = SimPeer(index=index, learner=learner, intake=Intake(self.spec, learner.numel, learner.replica),
                        speed=speed, store=UpdateStore(max_bytes=256 << 20), exchange=exchange,
                        ticks=rounds(learner, exchange, Schedule(grace=self.sim.grace), TokenBudget(self)),
                        joined_at=self.queue.now)
         peer.intake.attach_store(peer.store)  # as the gossip does: take-backs look updates up there
         self.peers.append(peer)
-        self.net.attach(learner.peer_id, lambda data, _: self._receive(peer, data), peer.intake.herald)
+        tree = self.tree
+        on_sum = (lambda data, kind: tree.on_sum(peer, data, kind)) if tree is not None else None
+        self.net.attach(learner.peer_id, lambda data, src: self._receive(peer, data, src), peer.intake.herald, on_sum)
         return peer
+
+    def peer_by_id(self, peer_id: str) -> SimPeer | None:
+        return next((p for p in self.peers if p.learner.peer_id == peer_id), None)
 
     def _alive(self) -> list[SimPeer]:
         return [p for p in self.peers if p.alive]
@@ -163,12 +172,14 @@ class AsyncSwarm:
         n = len(self._alive())
         return SwarmView(num_peers=n, samples_per_round=n * self.spec.inner.inner_steps * self.spec.data.batch_size)
 
-    def _receive(self, peer: SimPeer, data: bytes) -> None:
+    def _receive(self, peer: SimPeer, data: bytes, src: str = "") -> None:
         if peer.busy and peer.waiting_until is None:
             self._advance(peer)
         outcome, update = peer.intake.receive(data)
         if update is not None and outcome in ("merged", "buffered"):
             peer.store.add(update)
+            if self.tree is not None:
+                self.tree.received(peer, update, src)
             peer.held_since[(update.sender, update.seq)] = self.queue.now
             if peer.waiting_until is not None:  # in the grace window: was this what it waited for?
                 self._start_phase(peer)
@@ -315,36 +326,4 @@ class AsyncSwarm:
         self.queue.push(0.0, self._eval_point)
         self.queue.push(self.sim.anti_entropy_s, self._anti_entropy)
         self.queue.run()
-        return self._result()
-
-    def _result(self) -> SimResult:
-        alive = self._alive()
-        if not alive:
-            raise ConfigError("every peer crashed before the run ended: nothing is left to evaluate "
-                              "(script fewer crashes, or add --join)")
-        final = {p.index: p.learner.evaluate(self.eval_set) for p in alive}
-        losses = list(final.values())
-        thetas = [p.learner.replica.snapshot()[0] for p in alive]
-        tokens = self.steps_started * self.spec.data.batch_size * self.spec.model.block_size
-        self.curve.append(EvalPoint(time_s=self.queue.now, tokens=tokens, loss=losses[0]))
-        reports = []
-        for p in self.peers:
-            end = next(t for t in (p.left_at, p.done_at, self.queue.now) if t is not None)
-            lifetime = end - p.joined_at
-            reports.append(PeerReport(
-                index=p.index, peer_id=p.learner.peer_id, alive=p.alive, steps=p.learner.step,
-                bytes_sent=self.net.bytes_sent[p.learner.peer_id],
-                tokens=p.learner.step * self.spec.data.batch_size * self.spec.model.block_size,
-                utilization=p.compute_s / lifetime if lifetime > 0 else 0.0, taus=p.taus, waits=p.waits,
-                eval_loss=final.get(p.index),
-                rejected=dict(p.intake.counts)))
-        return SimResult(method="async", eval_loss=float(sum(losses) / len(losses)), sim_time_s=self.queue.now,
-                         tokens=tokens, divergence=divergence(thetas), curve=self.curve, peers=reports,
-                         messages_lost=self.net.messages_lost, numel=alive[0].learner.numel,
-                         theta=torch.stack(thetas).mean(0), round_loss=self._round_loss(alive[0], 1),
-                         tail_loss=self._round_loss(alive[0], TAIL_ROUNDS))
-
-    def _round_loss(self, peer: SimPeer, rounds: int) -> float | None:
-        """Eval loss of `peer`'s round view (sync/round_view.py) on a model of its own; None if it has none."""
-        view = round_view(peer.learner.replica, peer.store.get, rounds)
-        return None if view is None else eval_theta(self.spec, view[0], self.eval_set, self.device)
+        return swarm_result(self)

@@ -74,7 +74,7 @@ from p2p_diloco.sync.robust import MergePolicy
 from p2p_diloco.sync.screening import Prepared, check_theta, header_ok
 from p2p_diloco.sync.slots import LayoutCheck, Slots
 from p2p_diloco.sync.standing import Standing
-from p2p_diloco.sync.sum_merge import SumOutcome, SumPart, exact_step, merge_sum
+from p2p_diloco.sync.sum_merge import Held, SumOutcome, SumPart, exact_step, merge_sum
 from p2p_diloco.sync.types import Fit, MergeOutcome, UpdateLike
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.codecs import Codec, get_codec
@@ -209,9 +209,9 @@ class Replica:
             prepared = self._rule.screen(update, prepared.delta)  # it became ready while we screened it (rare)
         return self._chain.run(Waiting(update, None), now_s=now_s, clock=self.clock, prepared=prepared)
 
-    def offer_sum(self, parts: Sequence[SumPart], total: Tensor) -> SumOutcome:
+    def offer_sum(self, parts: Sequence[SumPart], total: Tensor, held: Held | None = None) -> SumOutcome:
         """Merge a group sum (exact grid `total` over `parts`) at once, or not at all: sync/sum_merge.py."""
-        return merge_sum(self.lock, self._slots, self._rule, self.stats, parts, total, self.clock)
+        return merge_sum(self.lock, self._slots, self._rule, self.stats, parts, total, self.clock, held)
 
     def exact_step(self, update: UpdateLike) -> Tensor | None:
         """`update`'s step on the exact grid (an aggregator's part); None: refused, or its weight not exact."""

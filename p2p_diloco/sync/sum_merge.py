@@ -2,12 +2,13 @@
 sum, under the same rules a single update merges by (sync/replica.py).
 
 A sum is over a named set of (author, seq) slots. It merges here only when the set fits the version vector as
-a whole: every part is its author's next seq (or a hole), no part is merged or buffered here already, no author
-is banned, and every part's weight is exact (a function of its own signed header: probation by seq, a sponsor's
-or a proposal's in a run with founders; `Standing.exact_multiplier`). Then the slots enter V together and theta
-moves by the sum, so **no slot is merged twice, through two sums or a sum and a pull**, and replicas that merged
-the same set (by sums or one by one) are equal, exactly so when by the same sums. Otherwise the sum is refused with
-the reason and the caller falls back to pulling its parts (direct dissemination): a sum never merges in part.
+a whole: every part is its author's next seq (or a hole), or merged here already as the very update it names (its
+step is then taken out of the sum: a peer's own update is in every total); none is buffered, no author banned, and
+every part's weight exact (a function of its own signed header: probation by seq, a sponsor's or a proposal's in
+a run with founders; `Standing.exact_multiplier`). Then the slots enter V together and theta moves by the sum, so
+**no slot is merged twice, through two sums or a sum and a pull**, and replicas that merged the same set (by sums
+or one by one) are equal, exactly so when by the same sums. Otherwise the sum is refused with the reason and the
+caller falls back to pulling its parts (direct dissemination): a sum never merges in part.
 
 What a receiver cannot check itself is that the payload is the sum of the parts' steps; that is the audit's
 (sync/sum_audit.py): a holder of the inputs recomputes it bit for bit.
@@ -58,37 +59,66 @@ def exact_step(rule: MergeRule, update: UpdateLike, multiplier: float) -> Tensor
         return None
 
 
+Held = Callable[[str, int], UpdateLike | None]
+"""The update a replica merged for (sender, seq), if its store still has it (an aggregated run: its own)."""
+
+
 def merge_sum(lock: threading.RLock, slots: Slots, rule: MergeRule, stats: dict[str, int],
-              parts: Sequence[SumPart], total: Tensor, clock: Callable[[], float]) -> SumOutcome:
-    """Merge the sum `total` (grid values, sync/exact_sum.py) of `parts` into theta, or say why not."""
-    step = from_grid(total)
+              parts: Sequence[SumPart], total: Tensor, clock: Callable[[], float],
+              held: Held | None = None) -> SumOutcome:
+    """Merge the sum `total` (grid values, sync/exact_sum.py) of `parts` into theta, or say why not. A part this
+    replica merged already (its own update, above all: every total holds it) is taken out of the sum first, by
+    its exact step, when `held` gives the very update merged here at its exact weight; otherwise the sum is
+    "held" and refused."""
+    ordered = sorted(parts, key=lambda p: (p.sender, p.seq))
     with lock:
         standing = rule.standing
-        multipliers: list[float] = []
+        fresh: list[tuple[SumPart, float]] = []
         vv: VersionVector = slots.vv
-        for part in sorted(parts, key=lambda p: (p.sender, p.seq)):
+        rest = total
+        for part in ordered:
             if part.sender in slots.bans.banned:
                 return _refused(stats, "banned")
-            if vv.has(part.sender, part.seq) or slots.buffer.get(part.sender, part.seq) is not None:
-                return _refused(stats, "held")
-            if not (part.seq == vv.get(part.sender) + 1 or part.seq in vv.holes(part.sender)):
-                return _refused(stats, "gap")
             multiplier = standing.exact_multiplier(part.sender, part.seq) if standing is not None else 1.0
             if multiplier is None:
                 return _refused(stats, "inexact")
-            multipliers.append(multiplier)
+            if vv.has(part.sender, part.seq):
+                step = _held_step(rule, slots, part, multiplier, held)
+                if step is None:
+                    return _refused(stats, "held")
+                rest = rest - step
+                continue
+            if slots.buffer.get(part.sender, part.seq) is not None:
+                return _refused(stats, "held")
+            if not (part.seq == vv.get(part.sender) + 1 or part.seq in vv.holes(part.sender)):
+                return _refused(stats, "gap")
+            fresh.append((part, multiplier))
             vv = vv.with_merged(part.sender, part.seq)
-        bound = peak(step)
-        if not rule.sum.subtract(step, bound):
+        if not fresh:
+            return _refused(stats, "held")
+        step = from_grid(rest)
+        if not rule.sum.subtract(step, peak(step)):
             return _refused(stats, "overflow")
         now = clock()
-        for part, multiplier in zip(sorted(parts, key=lambda p: (p.sender, p.seq)), multipliers, strict=True):
+        for part, multiplier in fresh:
             slots.record_slot(part.sender, part.seq, part.update_id, multiplier)
             if standing is not None:
                 standing.summed(part.sender, part.seq, now, multiplier)
         stats["sums_merged"] = stats.get("sums_merged", 0) + 1
-        stats["merged"] += len(parts)
+        stats["merged"] += len(fresh)
     return SumOutcome(True)
+
+
+def _held_step(rule: MergeRule, slots: Slots, part: SumPart, multiplier: float, held: Held | None) -> Tensor | None:
+    """The exact step of a part merged here already, if it is the same update at the same weight."""
+    if held is None or slots.merged.get(part.sender, part.seq) != part.update_id:
+        return None
+    if slots.merged.multiplier(part.sender, part.seq) != multiplier:
+        return None
+    update = held(part.sender, part.seq)
+    if update is None or update.update_id != part.update_id:
+        return None
+    return exact_step(rule, update, multiplier)
 
 
 def _refused(stats: dict[str, int], reason: str) -> SumOutcome:

@@ -128,6 +128,15 @@ def test_a_sum_merges_to_what_its_parts_merge_to_one_by_one():
     again = summed.offer_sum(sum_parts(total), sum_total(total))
     assert not again.merged and again.reason == "held"  # no slot twice, through two sums
     assert summed.offer(parts[0])[0].value == "duplicate"  # nor through a sum and a pull
+    # An author merged its own updates when it published them: the total takes them out by their exact steps.
+    author = replica()
+    own = {(u.sender, u.seq): u for u in parts if u.sender == KEYS[2].peer_id}
+    for u in own.values():
+        author.offer(u)
+    assert author.offer_sum(sum_parts(total), sum_total(total)).reason == "held"  # without its store: refused
+    assert author.offer_sum(sum_parts(total), sum_total(total), held=lambda a, s: own.get((a, s))).merged
+    assert author.version_vector == one_by_one.version_vector
+    assert torch.allclose(author.theta, one_by_one.theta, atol=1e-6)
 
 
 def test_a_sum_that_does_not_fit_the_vector_merges_nothing():
