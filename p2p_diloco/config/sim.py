@@ -66,6 +66,8 @@ class SimConfig:
     every peer); 0: full dissemination."""
     epoch_s: float = 0.0
     """Simulated seconds an aggregation tree lasts before it rotates (0: 10 of the fastest peer's phases)."""
+    audits: bool = True
+    """With `aggregate`: every sum is checked by the peer it goes to before it is used (sim/audits.py)."""
     fallback_epochs: int = 3
     """Sum timeouts (a quarter phase each, plus the tree's hops) after which an author sends an update some live
     peer still lacks to everyone itself."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
+from p2p_diloco.sim.audits import Audits
+from p2p_diloco.sim.liars import lie
 from p2p_diloco.sync.aggregate import build_sum, sum_parts, sum_total
 from p2p_diloco.sync.groups import Tree
 from p2p_diloco.wire.envelope import OuterUpdate
@@ -32,7 +34,7 @@ class TreeDissemination:
     """The aggregation tree's traffic and state for every simulated peer of `swarm`."""
 
     def __init__(self, swarm: AsyncSwarm, *, fan_in: int, epoch_s: float, wait_s: float,
-                 fallback_epochs: int) -> None:
+                 fallback_epochs: int, audit: bool = True) -> None:
         self.swarm, self.net, self.fan_in = swarm, swarm.net, fan_in
         self.epoch_s, self.wait_s, self.fallback_epochs = epoch_s, wait_s, fallback_epochs
         self.trees: dict[int, Tree] = {}
@@ -43,6 +45,10 @@ class TreeDissemination:
         self.waiting: dict[str, list[GroupSum]] = defaultdict(list)  # totals that do not fit its vector yet
         self.sent_up: dict[str, dict[tuple[str, int], int]] = defaultdict(dict)  # parts a parent was sent, by epoch
         self.counts: Counter[str] = Counter()
+        self.audits = Audits(self, timeout_s=wait_s) if audit else None
+        self.liar_place: tuple[int, bool] | None = None  # (place in the first tree, silent): sim/liars.py
+        self.liars: dict[str, bool] = {}  # peers that lie in their sums -> silent
+        self.liars_silent: set[str] = set()
 
     @property
     def hop_s(self) -> float:
@@ -57,20 +63,24 @@ class TreeDissemination:
         """The epoch's tree over the peers alive when it was first asked for (the DHT's records, in a real swarm)."""
         if epoch not in self.trees:
             members = [p.learner.peer_id for p in self.swarm.peers if p.alive]
+            convicted = self.audits.convicted if self.audits is not None else set()
             self.trees[epoch] = Tree.of(members, seed=self.swarm.spec.run_id.encode(), epoch=epoch,
-                                        fan_in=self.fan_in)
+                                        fan_in=self.fan_in, aggregators=[p for p in members if p not in convicted])
             self.trees.pop(epoch - 8, None)
+            if self.liar_place is not None and self.trees[epoch].order[self.liar_place[0]:]:
+                self.liars[self.trees[epoch].order[self.liar_place[0]]] = self.liar_place[1]
+                self.liar_place = None
         return self.trees[epoch]
 
     # ---- publishing and receiving ----------------------------------------------------------------------
 
     def publish(self, src: str, data: bytes, update: OuterUpdate) -> None:
         """An author's update: a leaf of the epoch's tree sends it to its parent, an inner node (the root too)
-        keeps it for its own sum."""
+        keeps it for its own sum, a peer that joined after the tree was drawn sends it to the root."""
         epoch = self.epoch()
         tree = self.tree(epoch)
-        parent = tree.parent(src) if src in tree else None
-        if parent is None or tree.is_inner(src):
+        parent = tree.parent(src) if src in tree else tree.root
+        if parent is None or (src in tree and tree.is_inner(src)):
             self.direct[src].append(update)
             self._arm(src, epoch)
         else:
@@ -88,22 +98,42 @@ class TreeDissemination:
             self.direct[peer.learner.peer_id].append(update)
             self._heard(peer.learner.peer_id, epoch, src)
 
+    def convict(self, aggregator: str) -> None:
+        """A proven liar: the trees from now on draw their inner places without it (every peer holds the proof)."""
+        now = self.epoch()
+        self.trees = {e: t for e, t in self.trees.items() if e < now}
+
     def on_sum(self, peer: SimPeer, data: bytes, kind: str) -> None:
+        if kind not in (UP, DOWN):
+            if self.audits is not None:
+                self.audits.on_message(peer, data, kind)
+            return
         spec = self.swarm.spec
         try:
             s = decode_sum(data, run_id=spec.run_id, spec_hash=spec.spec_hash(), numel=peer.learner.numel)
         except ValueError:
             self.counts["sum_refused_wire"] += 1
             return
+        me = peer.learner.peer_id
+        if s.aggregator in peer.learner.replica.banned:
+            self.counts["sum_refused_banned"] += 1
+            return
         if kind == UP:
-            self.sums[peer.learner.peer_id].append(s)
-            self._heard(peer.learner.peer_id, s.header.epoch, s.aggregator)
+            def take() -> None:
+                self.sums[me].append(s)
+                self._heard(me, s.header.epoch, s.aggregator)
+            self.audits.check(peer, s, take) if self.audits is not None else take()
             return
         tree = self.tree(s.header.epoch)
-        if peer.learner.peer_id in tree:
-            for child in tree.children(peer.learner.peer_id):
-                self.net.send(peer.learner.peer_id, child, data, kind=DOWN)
-        self._merge_total(peer, s)
+
+        def down() -> None:
+            if me in tree:
+                for child in tree.children(me):
+                    self.net.send(me, child, data, kind=DOWN)
+            self._merge_total(peer, s)
+        # The root's children audit its total before anyone merges it; below them it is the same signed bytes.
+        audited = self.audits is not None and me in tree and tree.parent(me) == s.aggregator
+        self.audits.check(peer, s, down) if audited and self.audits is not None else down()
 
     def _merge_total(self, peer: SimPeer, s: GroupSum) -> None:
         if peer.busy and peer.waiting_until is None:
@@ -156,6 +186,16 @@ class TreeDissemination:
                       direct=direct, children=children, step_of=peer.learner.replica.exact_step)
         if s is None:
             return
+        used = [c for c in children if c.sum_id in {sid for sid, _ in s.header.children}]
+        covered = {slot for c in used for slot in c.header.slots}
+        slots = set(s.header.slots) - covered
+        kept = [u for u in direct if (u.sender, u.seq) in slots]
+        if node in self.liars:
+            if self.liars[node]:
+                self.liars_silent.add(node)
+            s = lie(s, peer.learner.identity, used)
+        if self.audits is not None:
+            self.audits.kept(node, s, kept, used)
         tree = self.tree(epoch)
         parent = tree.parent(node) if node in tree else None
         if parent is not None:

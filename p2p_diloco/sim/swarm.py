@@ -133,7 +133,7 @@ class AsyncSwarm:
         self.eval_every_s = sim.eval_every_s or (sim.total_steps / sim.peers * sim.step_time_s / 20)
         self.tree = TreeDissemination(self, fan_in=sim.aggregate, epoch_s=sim.epoch_s or 10 * min(self.phase_s),
                                       wait_s=0.25 * min(self.phase_s),
-                                      fallback_epochs=sim.fallback_epochs) if sim.aggregate else None
+                                      fallback_epochs=sim.fallback_epochs, audit=sim.audits) if sim.aggregate else None
 
     # ---- peers ----------------------------------------------------------------------------------------
 

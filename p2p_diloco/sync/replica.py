@@ -214,9 +214,9 @@ class Replica:
         return merge_sum(self.lock, self._slots, self._rule, self.stats, parts, total, self.clock, held)
 
     def exact_step(self, update: UpdateLike) -> Tensor | None:
-        """`update`'s step on the exact grid (an aggregator's part); None: refused, or its weight not exact."""
-        s = self.standing
-        multiplier = s.exact_multiplier(update.sender, update.seq) if s is not None else 1.0
+        """`update`'s step on the exact grid (an aggregator's part); None: refused, banned or its weight not exact."""
+        s, sender = self.standing, update.sender
+        multiplier = None if sender in self.banned else s.exact_multiplier(sender, update.seq) if s else 1.0
         return None if multiplier is None else exact_step(self._rule, update, multiplier)
 
     @delivers_bans

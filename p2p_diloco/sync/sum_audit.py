@@ -11,21 +11,24 @@ acted on alike (the aggregator banned; a total it signed is never merged).
 What the aggregator cannot misstate at all: which updates it covers (each part is its author's signed herald) and
 the weight each merges with (the merge rule's, from the part's own header). What it can do and the audit sees:
 put anything else in the payload. What this module does not see: a member's update it left out (that takes the
-member's signed receipt: not built).
+member's signed receipt: not built). Encoded for the wire by `encode_lie` / `decode_lie`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
+import msgpack
 import torch
 from torch import Tensor
 
 from p2p_diloco.sync.exact_sum import decode_grid
 from p2p_diloco.sync.types import UpdateLike
+from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update
 from p2p_diloco.wire.merkle import CHUNK, chunk_bytes, merkle_proof, verify_chunk
-from p2p_diloco.wire.sums import GroupSum
+from p2p_diloco.wire.sums import GroupSum, decode_sum_header
 
 StepOf = Callable[[UpdateLike], Tensor | None]
 """An update's exact merge step on the grid (`Replica.exact_step`); None if it is refused."""
@@ -90,15 +93,27 @@ def audit(s: GroupSum, children: Sequence[GroupSum], direct: Sequence[UpdateLike
           indices: Sequence[int]) -> SumLie | None:
     """Check `s` (payload held) at chunks `indices` against its inputs, held whole: the evidence if it lies.
     ValueError if the inputs are not the ones it names (the caller cannot audit with them)."""
+    proofs = {i: [prove_chunk(c, i) for c in children] for i in indices}
+    return audit_chunks(s, [c for c in children], proofs, direct, step_of, indices)
+
+
+def audit_chunks(s: GroupSum, children: Sequence[GroupSum], proofs: dict[int, list[ChunkProof]],
+                 direct: Sequence[UpdateLike], step_of: StepOf, indices: Sequence[int]) -> SumLie | None:
+    """`audit` with the children's chunks only (each proven against the root `s` names: what an aggregator sends
+    its auditor); ValueError if the inputs are not the ones `s` names or a chunk does not prove itself."""
     slots = direct_slots(s, children)
     if slots is None or slots != {(u.sender, u.seq) for u in direct} or len(direct) != len(slots):
         raise ValueError("these are not the inputs the sum names")
     ids = {p.slot: p.update_id for p in s.header.parts}
     if any(ids[(u.sender, u.seq)] != u.update_id for u in direct):
         raise ValueError("a direct part is another update than the one the sum names")
+    roots = {c.sum_id: c.header.root for c in children}
     steps = [step_of(u) for u in direct]
     for index in indices:
-        lie = _check(s, index, [prove_chunk(c, index) for c in children], direct, steps)
+        got = proofs.get(index, [])
+        if sorted(c.sum.sum_id for c in got) != sorted(roots) or not all(c.valid(index) for c in got):
+            raise ValueError(f"chunk {index} of a child sum is missing or does not prove itself")
+        lie = _check(s, index, got, direct, steps)
         if lie is not None:
             return lie
     return None
@@ -129,3 +144,33 @@ def _check(s: GroupSum, index: int, children: list[ChunkProof], direct: Sequence
     if expected == claimed.data:
         return None
     return SumLie(index, claimed, tuple(children), tuple(direct))
+
+
+def encode_lie(lie: SumLie) -> bytes:
+    """The evidence on the wire: signed headers (no payloads), the chunk and its proof for each, and the direct
+    parts as their signed envelopes."""
+    def proof(c: ChunkProof) -> list[object]:
+        return [c.sum.header_bytes, c.sum.signature, c.data, list(c.proof)]
+    data: bytes = msgpack.packb({"i": lie.index, "c": proof(lie.claimed), "k": [proof(c) for c in lie.children],
+                                 "d": [encode_update(cast(OuterUpdate, u)) for u in lie.direct]}, use_bin_type=True)
+    return data
+
+
+def decode_lie(data: bytes, *, run_id: str, spec_hash: str, numel: int, max_update_bytes: int) -> SumLie:
+    """Parse received evidence (every signature checked); WireError or ValueError if it is malformed. Whether it
+    proves a lie is `verify_lie`'s."""
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=len(data))
+    except Exception as exc:  # untrusted bytes
+        raise ValueError(f"cannot parse evidence: {type(exc).__name__}") from None
+    if not isinstance(m, dict) or set(m) != {"i", "c", "k", "d"} or type(m["i"]) is not int:
+        raise ValueError("evidence is a map of i, c, k, d")
+
+    def proof(item: object) -> ChunkProof:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[2], bytes)
+                and isinstance(item[3], list) and all(isinstance(h, bytes) for h in item[3])):
+            raise ValueError("a chunk proof is [header, signature, chunk, proof]")
+        header = decode_sum_header(item[0], item[1], run_id=run_id, spec_hash=spec_hash, numel=numel)
+        return ChunkProof(GroupSum(header, item[0], item[1], b""), item[2], tuple(item[3]))
+    direct = tuple(decode_update(d, max_bytes=max_update_bytes, run_id=run_id, spec_hash=spec_hash) for d in m["d"])
+    return SumLie(m["i"], proof(m["c"]), tuple(proof(c) for c in m["k"]), direct)

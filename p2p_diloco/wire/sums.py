@@ -120,8 +120,22 @@ def decode_sum(data: bytes, *, run_id: str, spec_hash: str, numel: int) -> Group
     if envelope["v"] != FORMAT_VERSION:
         raise WireError("format_version", f"format version {envelope['v']!r}, this peer speaks {FORMAT_VERSION}")
     header_bytes, signature, payload = envelope["h"], envelope["s"], envelope["p"]
-    if not all(isinstance(b, bytes) for b in (header_bytes, signature, payload)) or len(signature) != SIGNATURE_BYTES:
-        raise WireError("malformed", "sum fields h, s, p must be binary, s of 64 bytes")
+    if not isinstance(payload, bytes):
+        raise WireError("malformed", "sum field p must be binary")
+    header = decode_sum_header(header_bytes, signature, run_id=run_id, spec_hash=spec_hash, numel=numel)
+    if len(payload) != 4 * numel or merkle_root(payload, numel) != header.root:
+        raise WireError("bad_digest", "sum payload does not match its signed length and Merkle root")
+    return GroupSum(header, header_bytes, signature, payload)
+
+
+def decode_sum_header(header_bytes: object, signature: object, *, run_id: str, spec_hash: str,
+                      numel: int) -> SumHeader:
+    """A sum's signed header alone (evidence carries headers and chunks, not payloads): shape, run, the
+    aggregator's signature, every part's; WireError on the first failure."""
+    if not isinstance(header_bytes, bytes) or not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+        raise WireError("malformed", "sum fields h, s must be binary, s of 64 bytes")
+    if len(header_bytes) > MAX_SUM_HEADER_BYTES:
+        raise WireError("oversize", "sum header is over its bound")
     fields = _unpack(header_bytes, max_bin_len=MAX_HERALD_BYTES, max_array_len=MAX_PARTS, max_map_len=0,
                      max_str_len=128)
     if not isinstance(fields, list) or len(fields) != 9:
@@ -139,9 +153,7 @@ def decode_sum(data: bytes, *, run_id: str, spec_hash: str, numel: int) -> Group
     parts = tuple(_part(h, run_id, spec_hash) for h in heralds)
     header = SumHeader(run, spec, aggregator, epoch, parts, tuple((c[0], c[1]) for c in children), n, root, created)
     _check(header, run_id=run_id, spec_hash=spec_hash, numel=numel)
-    if len(payload) != 4 * numel or merkle_root(payload, numel) != root:
-        raise WireError("bad_digest", "sum payload does not match its signed length and Merkle root")
-    return GroupSum(header, header_bytes, signature, payload)
+    return header
 
 
 def _part(herald: object, run_id: str, spec_hash: str) -> Part:
