@@ -102,6 +102,9 @@ class TreeDissemination:
         """A proven liar: the trees from now on draw their inner places without it (every peer holds the proof)."""
         now = self.epoch()
         self.trees = {e: t for e, t in self.trees.items() if e < now}
+        liar = self.swarm.peer_by_id(aggregator)
+        if liar is not None and liar.alive:  # every peer refuses it now: in the simulator, it leaves the swarm
+            self.swarm._crash(liar.index)
 
     def on_sum(self, peer: SimPeer, data: bytes, kind: str) -> None:
         if kind not in (UP, DOWN):
