@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from p2p_diloco.config import RunSpec, SimConfig
+from p2p_diloco.config import ConfigError, RunSpec, SimConfig
 from p2p_diloco.sim.aggregation import TreeDissemination
 from p2p_diloco.sim.events import EventQueue
 from p2p_diloco.sim.memory import MemoryExchange, MemoryNetwork
@@ -110,6 +110,11 @@ class AsyncSwarm:
             spec = dataclasses.replace(spec, defence=dataclasses.replace(
                 spec.defence, sponsors=tuple(i.peer_id for i in self.founders)))
         self.spec = spec.validate()
+        d = spec.defence
+        if sim.aggregate and not d.sponsors and (d.copy_cosine > 0 or d.min_agreement > -1 or d.max_norm_ratio > 0
+                                                 or d.full_agreement > 0):
+            raise ConfigError("--sim.aggregate needs exact merge weights: a sum cannot carry vetting that reads "
+                              "payloads; add --spec.defence.copy-cosine 0 (and no reference tests)")
         self.device = resolve_device(sim.device)
         self.corpus, self.progress = corpus, progress
         self.heralds_to = self.spec.defence.sponsors if sim.heralds else ()  # a proposer's (sync/heralds.py)
