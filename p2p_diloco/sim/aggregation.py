@@ -15,7 +15,7 @@ update); anti-entropy runs as before.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING
+from typing import Any
 
 from p2p_diloco.sim.audits import Audits
 from p2p_diloco.sim.liars import lie
@@ -24,10 +24,10 @@ from p2p_diloco.sync.groups import Tree
 from p2p_diloco.wire.envelope import OuterUpdate
 from p2p_diloco.wire.sums import GroupSum, decode_sum
 
-if TYPE_CHECKING:
-    from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
-
 UP, DOWN = "sum", "total"
+
+AsyncSwarm = Any  # sim/swarm.py's (not imported: the swarm imports this module)
+SimPeer = Any  # sim/swarm.py's (not imported: the swarm imports this module)
 
 
 class TreeDissemination:

@@ -21,7 +21,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import msgpack
 
@@ -30,14 +30,13 @@ from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update
 from p2p_diloco.wire.merkle import chunk_count
 from p2p_diloco.wire.sums import GroupSum, decode_sum_header
 
-if TYPE_CHECKING:
-    from p2p_diloco.sim.aggregation import TreeDissemination
-    from p2p_diloco.sim.swarm import SimPeer
-
 CHUNKS = 4
 """Chunks an auditor draws per sum."""
 ASK, ANSWER, LIE = "audit?", "audit!", "lie"
 KEPT = 16  # sums a node keeps the inputs of, to answer audits
+
+SimPeer = Any  # sim/swarm.py's (not imported: the swarm imports this module)
+TreeDissemination = Any  # sim/swarm.py's (not imported: the swarm imports this module)
 
 
 class Audits:

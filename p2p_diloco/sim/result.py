@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,10 +17,12 @@ from p2p_diloco.train.models.build import build_model, load_flat_params
 
 if TYPE_CHECKING:
     from p2p_diloco.config import RunSpec
-    from p2p_diloco.sim.swarm import AsyncSwarm, SimPeer
 
 Progress = Callable[[int, int, float | None], None]
 """A run's progress callback: (steps done, steps in all, the last train loss or None)."""
+
+AsyncSwarm = Any  # sim/swarm.py's (not imported: the swarm imports this module)
+SimPeer = Any  # sim/swarm.py's (not imported: the swarm imports this module)
 
 
 TAIL_ROUNDS = 4
