@@ -78,6 +78,15 @@ def direct_slots(s: GroupSum, children: Sequence[GroupSum]) -> set[tuple[str, in
     return mine - set(theirs)
 
 
+def named_inputs(s: GroupSum, children: Sequence[GroupSum], direct: Sequence[UpdateLike]) -> bool:
+    """True if `children` and `direct` are exactly the inputs `s` names, each direct part the very update."""
+    slots = direct_slots(s, children)
+    if slots is None or slots != {(u.sender, u.seq) for u in direct} or len(direct) != len(slots):
+        return False
+    ids = {p.slot: p.update_id for p in s.header.parts}
+    return all(ids[(u.sender, u.seq)] == u.update_id for u in direct)
+
+
 def expected_chunk(index: int, numel: int, children: Sequence[bytes], direct: Sequence[Tensor]) -> bytes:
     """What chunk `index` of a sum must be: its children's chunks plus its direct parts' steps, as int32 bytes."""
     lo, hi = index * CHUNK, min(numel, (index + 1) * CHUNK)
@@ -101,12 +110,8 @@ def audit_chunks(s: GroupSum, children: Sequence[GroupSum], proofs: dict[int, li
                  direct: Sequence[UpdateLike], step_of: StepOf, indices: Sequence[int]) -> SumLie | None:
     """`audit` with the children's chunks only (each proven against the root `s` names: what an aggregator sends
     its auditor); ValueError if the inputs are not the ones `s` names or a chunk does not prove itself."""
-    slots = direct_slots(s, children)
-    if slots is None or slots != {(u.sender, u.seq) for u in direct} or len(direct) != len(slots):
+    if not named_inputs(s, children, direct):
         raise ValueError("these are not the inputs the sum names")
-    ids = {p.slot: p.update_id for p in s.header.parts}
-    if any(ids[(u.sender, u.seq)] != u.update_id for u in direct):
-        raise ValueError("a direct part is another update than the one the sum names")
     roots = {c.sum_id: c.header.root for c in children}
     steps = [step_of(u) for u in direct]
     for index in indices:
@@ -125,11 +130,7 @@ def verify_lie(lie: SumLie, step_of: StepOf) -> bool:
     s, index = lie.claimed.sum, lie.index
     if not lie.claimed.valid(index) or not all(c.valid(index) for c in lie.children):
         return False
-    slots = direct_slots(s, [c.sum for c in lie.children])
-    if slots is None or slots != {(u.sender, u.seq) for u in lie.direct} or len(lie.direct) != len(slots):
-        return False
-    ids = {p.slot: p.update_id for p in s.header.parts}
-    if any(ids[(u.sender, u.seq)] != u.update_id for u in lie.direct):
+    if not named_inputs(s, [c.sum for c in lie.children], lie.direct):
         return False
     steps = [step_of(u) for u in lie.direct]
     return _check(s, index, list(lie.children), lie.direct, steps, claimed=lie.claimed) is not None
