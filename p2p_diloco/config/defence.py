@@ -71,6 +71,13 @@ class DefenceConfig:
     0 disables (the default: late in a run honest authors averaged down to -0.17, so any positive threshold
     refuses honest work there; early on, 0.1 keeps noise out)."""
 
+    def reads_payloads(self) -> bool:
+        """Vetting that reads an update's payload (the copy rule, the reference's tests) decides its merge weight,
+        which then follows from no signed header alone: a group sum cannot carry it (sync/sum_merge.py), so a run
+        without sponsors aggregates only with all of these off."""
+        return (not self.sponsors and (self.copy_cosine > 0 or self.min_agreement > -1 or self.max_norm_ratio > 0
+                                       or self.full_agreement > 0))
+
     def validate(self) -> None:
         require(self.norm_bound >= 0 and math.isfinite(self.norm_bound),
                 f"defence.norm_bound must be a number >= 0, got {self.norm_bound}")

@@ -199,4 +199,7 @@ class JoinConfig:
             section.validate()
         for address in self.network.bootstrap:  # a typo answers now, before torch and the node load (the doctor
             check_multiaddr(address, require_peer_id=True)  # checks its own NetworkConfig address by address)
+        require(not (self.gossip.aggregate and self.spec.defence.reads_payloads()),
+                "--gossip.aggregate needs exact merge weights: a sum cannot carry vetting that reads payloads; add "
+                "--spec.defence.copy-cosine 0 (and no reference tests), or run with sponsors")
         return self

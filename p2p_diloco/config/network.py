@@ -82,7 +82,25 @@ class GossipConfig:
     the streams this peer's uplink feeds at this rate (at least 2 each; the uplink: min of admission.rate's
     uplink_bytes_per_s and the rate measured from our own transfers), and grow back with it (0: never adapt)."""
 
+    aggregate: int = 0
+    """Fan-in of the aggregation tree (ARCHITECTURE.md "Aggregation"): updates go up a tree every peer computes
+    and come back as audited, signed sums, so a peer's traffic stays flat as the swarm grows; 0: every update to
+    every peer (full dissemination). Needs exact merge weights: no payload-reading vetting
+    (--spec.defence.copy-cosine 0) unless the run has sponsors. The tree is over the live peers whose record
+    says the same fan-in; the others gossip as before."""
+    aggregate_epoch_s: float = 60.0
+    """The tree rotates every this many seconds of wall-clock time (places drawn again by a seeded hash)."""
+    aggregate_wait_s: float = 1.0
+    """A node sends its sum once every child has sent something, or this long after the first new item."""
+    aggregate_fallback_s: float = 30.0
+    """An author whose update is in no total it merged this long after publishing announces it as in full
+    dissemination (a dead or lying aggregator costs this much delay, not the update)."""
+
     def validate(self) -> GossipConfig:
+        if self.aggregate != 0 and self.aggregate < 2:
+            raise ValueError(f"aggregate (the tree's fan-in) must be 0 or >= 2, got {self.aggregate}")
+        if not (self.aggregate_epoch_s > 0 and self.aggregate_wait_s > 0 and self.aggregate_fallback_s > 0):
+            raise ValueError("aggregate_epoch_s, aggregate_wait_s and aggregate_fallback_s must be > 0")
         if self.fanout < 1 or self.pull_max_updates < 1 or self.max_concurrent_pulls < 1 \
                 or self.max_concurrent_serves < 1:
             raise ValueError("fanout, pull_max_updates, max_concurrent_pulls and max_concurrent_serves must be >= 1")

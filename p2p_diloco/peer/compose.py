@@ -13,6 +13,7 @@ vectors gossip heard, and gossip hands repair every vector it hears.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -77,6 +78,17 @@ def proven_among(replica: Replica, others: list[str]) -> list[str]:
     return [pid for pid in others if pid in proven]
 
 
+def tree_members(presence: Presence, me: str, fan_in: int) -> dict[str, float]:
+    """The live members whose record says they aggregate at `fan_in`, each with when it started (not us)."""
+    members = {}
+    for pid, record in presence.peers.items():
+        agg = record.get("agg")
+        if pid != me and isinstance(agg, list) and len(agg) == 2 and agg[0] == fan_in \
+                and isinstance(agg[1], (int, float)):
+            members[pid] = float(agg[1])
+    return members
+
+
 def build_peer_services(config: ServiceConfig, up: NodeUp, learner: Learner, presence: Presence, *,
                         static_record: Mapping[str, object], figures: Callable[[], Mapping[str, int]],
                         on_repaired: Callable[[dict[str, object]], None]) -> PeerServices:
@@ -92,6 +104,9 @@ def build_peer_services(config: ServiceConfig, up: NodeUp, learner: Learner, pre
     intake = Intake(spec, learner.numel, replica)  # checks, counts, evidence, the take-back of a ban
     relay = EvidenceRelay(node, run_id, intake, presence.other_peer_ids, guard, fanout=cfg.fanout,
                           timeout_s=cfg.rpc_timeout_s)
+    since = time.time()
+    if cfg.aggregate:  # our record says we take part in trees of this fan-in from now (net/gossip/tree.py)
+        static_record = {**static_record, "agg": [cfg.aggregate, since]}
     parts = PresenceParts(node, guard, replica, intake, up.proof, static_record, figures,
                           on_refreshed=relay.meet)  # a newcomer learns of the bans made before it came
     store = UpdateStore(cfg.retained_bytes)
@@ -99,6 +114,7 @@ def build_peer_services(config: ServiceConfig, up: NodeUp, learner: Learner, pre
                     members=lambda: proven_among(replica, presence.other_peer_ids()), guard=guard,
                     grace_s=REPAIR_GRACE_ANTI_ENTROPIES * cfg.anti_entropy_s, on_repaired=on_repaired)
     gossip = Gossip(node, run_id, intake, store, cfg, peers=presence.other_peer_ids, guard=guard,
-                    on_evidence=relay.publish, on_vector=repair.observe)
+                    on_evidence=relay.publish, on_vector=repair.observe, identity=config.identity,
+                    tree_members=lambda: tree_members(presence, node.peer_id, cfg.aggregate), since=since)
     server = SnapshotServer(node, run_id, spec_hash, replica, config.identity, config.statesync, guard=guard)
     return PeerServices(up, learner, guard, intake, parts, relay, repair, gossip, server)

@@ -170,7 +170,10 @@ class PeerReport(Hooks):
                  "relayed": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "relayed", {})),
                  "judged": dict(getattr(getattr(learner.replica.standing, "sponsorship", None), "earned", {})),
                  # a proposer's heralds sent to the sponsors, a sponsor's heard and refused (net/gossip/heralds.py)
-                 "heralds": {k: counters.get(f"heralds_{k}", 0) for k in ("sent", "heard", "refused")}}
+                 "heralds": {k: counters.get(f"heralds_{k}", 0) for k in ("sent", "heard", "refused")},
+                 # with --gossip.aggregate (net/gossip/tree.py): totals merged, fallbacks, audits, lies caught
+                 "tree": {k: n for k, n in counters.items() if k.startswith(("tree_", "audit", "lies_", "evidence_"))
+                          and n}}
         if out_dir:
             theta_path, vv_path = save_state(out_dir, theta, vv,
                                              {"peer_id": learner.peer_id, "spec_hash": self.spec.spec_hash(),

@@ -17,21 +17,17 @@ next sum is drawn again), and a lie a colluding parent lets through.
 
 from __future__ import annotations
 
-import hashlib
-import random
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
-from p2p_diloco.sync.sum_audit import ChunkProof, audit_chunks, decode_lie, encode_lie, prove_chunk, verify_lie
-from p2p_diloco.wire.envelope import OuterUpdate, decode_update, encode_update
-from p2p_diloco.wire.merkle import chunk_count
-from p2p_diloco.wire.sums import GroupSum, decode_sum_header
+from p2p_diloco.sync.audit_answer import decode_ask, draw_chunks, encode_answer, encode_ask, judge_answer
+from p2p_diloco.sync.sum_audit import decode_lie, encode_lie, verify_lie
+from p2p_diloco.wire.envelope import OuterUpdate
+from p2p_diloco.wire.sums import GroupSum
 
-CHUNKS = 4
-"""Chunks an auditor draws per sum."""
 ASK, ANSWER, LIE = "audit?", "audit!", "lie"
 KEPT = 16  # sums a node keeps the inputs of, to answer audits
 
@@ -58,11 +54,9 @@ class Audits:
     def check(self, auditor: SimPeer, s: GroupSum, accept: Callable[[], None]) -> None:
         """Ask `s`'s aggregator for its inputs at secret chunks; `accept()` once they prove it."""
         me = auditor.learner.peer_id
-        seed = hashlib.sha256(auditor.learner.identity.secret(b"sum-audit").to_bytes(32, "big") + s.sum_id)
-        n = chunk_count(s.header.numel)
-        indices = sorted(random.Random(seed.digest()).sample(range(n), min(CHUNKS, n)))
+        indices = draw_chunks(auditor.learner.identity.secret(b"sum-audit"), s)
         self.open[(me, s.sum_id)] = (s, indices, accept)
-        ask: bytes = msgpack.packb({"from": me, "id": s.sum_id, "j": indices}, use_bin_type=True)
+        ask = msgpack.packb({"from": me, "q": encode_ask(s, indices)}, use_bin_type=True)
         self.tree.net.send(me, s.aggregator, ask, kind=ASK)
         self.tree.swarm.queue.push(self.tree.swarm.queue.now + self.timeout_s, self._expire, me, s.sum_id)
 
@@ -72,42 +66,34 @@ class Audits:
 
     def on_message(self, peer: SimPeer, data: bytes, kind: str) -> None:
         if kind == ASK:
-            self._answer(peer, msgpack.unpackb(data, raw=False))
+            ask = msgpack.unpackb(data, raw=False)
+            self._answer(peer, ask["from"], *decode_ask(ask["q"]))
         elif kind == ANSWER:
-            self._judge(peer, msgpack.unpackb(data, raw=False))
+            answer = msgpack.unpackb(data, raw=False)
+            self._judge(peer, answer["id"], answer["a"])
         elif kind == LIE:
             self._evidence(peer, data)
 
-    def _answer(self, peer: SimPeer, ask: dict) -> None:
+    def _answer(self, peer: SimPeer, auditor: str, sum_id: bytes, indices: list[int]) -> None:
         me = peer.learner.peer_id
-        kept = self.inputs.get(me, {}).get(ask["id"])
+        book = self.inputs.get(me)
+        kept = book.get(sum_id) if book is not None else None
         if kept is None or me in self.tree.liars_silent:
             return  # not ours (or gone): the auditor's timeout drops the sum
         _, direct, children = kept
-        answer = {"id": ask["id"], "d": [encode_update(u) for u in direct],
-                  "k": [[c.header_bytes, c.signature, [[i, (p := prove_chunk(c, i)).data, list(p.proof)]
-                                                       for i in ask["j"]]] for c in children]}
-        self.tree.net.send(me, ask["from"], msgpack.packb(answer, use_bin_type=True), kind=ANSWER)
+        answer = {"id": sum_id, "a": encode_answer(sum_id, direct, children, indices)}
+        self.tree.net.send(me, auditor, msgpack.packb(answer, use_bin_type=True), kind=ANSWER)
 
-    def _judge(self, peer: SimPeer, answer: dict) -> None:
+    def _judge(self, peer: SimPeer, sum_id: bytes, answer: bytes) -> None:
         me = peer.learner.peer_id
-        opened = self.open.pop((me, answer["id"]), None)
+        opened = self.open.pop((me, sum_id), None)
         if opened is None:
             return
         s, indices, accept = opened
         spec, numel = self.tree.swarm.spec, peer.learner.numel
         try:
-            direct = [decode_update(d, max_bytes=8 * numel + 4096, run_id=spec.run_id, spec_hash=spec.spec_hash())
-                      for d in answer["d"]]
-            children, proofs = [], {i: [] for i in indices}  # type: ignore[var-annotated]
-            for header_bytes, signature, chunks in answer["k"]:
-                header = decode_sum_header(header_bytes, signature, run_id=spec.run_id, spec_hash=spec.spec_hash(),
-                                           numel=numel)
-                child = GroupSum(header, header_bytes, signature, b"")
-                children.append(child)
-                for i, data, proof in chunks:
-                    proofs.setdefault(i, []).append(ChunkProof(child, data, tuple(proof)))
-            lie = audit_chunks(s, children, proofs, direct, peer.learner.replica.exact_step, indices)
+            lie = judge_answer(s, indices, answer, peer.learner.replica.exact_step, run_id=spec.run_id,
+                               spec_hash=spec.spec_hash(), max_update_bytes=8 * numel + 4096)
         except ValueError:
             self.tree.counts["audit_unanswered"] += 1  # the answer does not hold: the sum is dropped
             return

@@ -110,9 +110,7 @@ class AsyncSwarm:
             spec = dataclasses.replace(spec, defence=dataclasses.replace(
                 spec.defence, sponsors=tuple(i.peer_id for i in self.founders)))
         self.spec = spec.validate()
-        d = spec.defence
-        if sim.aggregate and not d.sponsors and (d.copy_cosine > 0 or d.min_agreement > -1 or d.max_norm_ratio > 0
-                                                 or d.full_agreement > 0):
+        if sim.aggregate and spec.defence.reads_payloads():
             raise ConfigError("--sim.aggregate needs exact merge weights: a sum cannot carry vetting that reads "
                               "payloads; add --spec.defence.copy-cosine 0 (and no reference tests)")
         self.device = resolve_device(sim.device)

@@ -90,7 +90,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from p2p_diloco.net.admission.guard import PeerGuard
 from p2p_diloco.net.admission.meter import adapted
@@ -102,12 +102,14 @@ from p2p_diloco.net.gossip.messages import GossipConfig, decode_request, encode_
 from p2p_diloco.net.gossip.pulls import FailureLog, Puller, lacks
 from p2p_diloco.net.gossip.serving import GossipServer
 from p2p_diloco.net.gossip.targets import PeerPicker
+from p2p_diloco.net.gossip.tree import TreeGossip
 from p2p_diloco.net.transport import rpc
 from p2p_diloco.net.transport.node import SwarmNode
 from p2p_diloco.sync.intake import Intake
 from p2p_diloco.sync.store import UpdateStore
 from p2p_diloco.sync.version_vector import VersionVector
 from p2p_diloco.wire.envelope import OuterUpdate
+from p2p_diloco.wire.identity import Identity
 
 __all__ = ["Gossip", "GossipConfig", "decode_request", "encode_request"]  # config/network.py, messages.py
 
@@ -131,11 +133,16 @@ class Gossip:
     def __init__(self, node: SwarmNode, run_id: str, intake: Intake, store: UpdateStore, config: GossipConfig,
                  peers: Callable[[], Sequence[str]], *, guard: PeerGuard | None = None,
                  on_evidence: Callable[[bytes, bytes], None] | None = None,
-                 on_vector: Callable[[str, VersionVector], None] | None = None):
+                 on_vector: Callable[[str, VersionVector], None] | None = None,
+                 identity: Identity | None = None, tree_members: Callable[[], Mapping[str, float]] | None = None,
+                 since: float | None = None):
         """`peers` returns the live peer ids of the run (e.g. from the DHT records); ours is filtered out.
         `guard` (a PeerGuard) enforces access and rate limits; `on_evidence(first, second)` gets the two signed
         envelopes of each equivocation we find; `on_vector(peer, its vector)` every vector a member sends us
-        (`Repair.observe`; called on the loop, it must return at once)."""
+        (`Repair.observe`; called on the loop, it must return at once). With `config.aggregate`, `identity` (ours,
+        to sign sums) and `tree_members` (the live peers whose record names the same fan-in) make the aggregation
+        tree (net/gossip/tree.py) through which our updates go out instead of announces (`since`: when our record
+        says we started)."""
         self.node, self.run_id, self.intake, self.store, self.guard = node, run_id, intake, store, guard
         self.config = config.validate()
         intake.attach_store(store)  # banned senders leave the store; the earlier message of an equivocation is found
@@ -157,6 +164,12 @@ class Gossip:
         self._heralds = Heralds(node, run_id, intake, sponsors=lambda: _sponsors(intake), guard=guard,
                                 timeout_s=self.config.rpc_timeout_s, stats=self.stats)
         self.rpc_stats: dict[str, rpc.RpcStats] = self._server.rpc_stats
+        self.tree = TreeGossip(node, run_id, intake.spec.spec_hash(), intake, store, identity,
+                               fan_in=self.config.aggregate, epoch_s=self.config.aggregate_epoch_s,
+                               wait_s=self.config.aggregate_wait_s, fallback_s=self.config.aggregate_fallback_s,
+                               timeout_s=self.config.rpc_timeout_s, members=tree_members or dict,
+                               announce=self._announcer.announce, stats=self.stats, guard=guard, since=since) \
+            if self.config.aggregate and identity is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -171,6 +184,11 @@ class Gossip:
             await self._heralds.serve()
         if self._heralds.rpc_stats is not None:
             self.rpc_stats["herald"] = self._heralds.rpc_stats
+        if self.tree is not None:
+            await self.tree.serve()
+            for name, stats in (("tree", self.tree.rpc_stats), ("audit", self.tree.audits.rpc_stats)):
+                if stats is not None:
+                    self.rpc_stats[name] = stats
         self._puller.start()
         self._anti_entropy.start()
         logger.info("gossip started run_id=%s peer_id=%s fanout=%d anti_entropy_s=%g", self.run_id,
@@ -178,7 +196,8 @@ class Gossip:
 
     async def stop(self) -> None:
         """Cancel every task and stop serving; bounded by about 2 * rpc_timeout_s. Idempotent."""
-        tasks = [*self._puller.halt(), *self._anti_entropy.halt(), *self._announcer.halt(), *self._heralds.halt()]
+        tasks = [*self._puller.halt(), *self._anti_entropy.halt(), *self._announcer.halt(), *self._heralds.halt(),
+                 *(self.tree.halt() if self.tree is not None else ())]
         if tasks:
             await asyncio.wait(tasks, timeout=self.config.rpc_timeout_s)
         self._puller.clear()
@@ -186,6 +205,8 @@ class Gossip:
         await self._server.unserve()
         if self._heralds.rpc_stats is not None:
             await self._heralds.unserve()
+        if self.tree is not None:
+            await self.tree.unserve()
         logger.info("gossip stopped run_id=%s peer_id=%s stats=%s", self.run_id, self.node.peer_id, self.stats)
 
     async def publish(self, update: OuterUpdate) -> None:
@@ -204,6 +225,8 @@ class Gossip:
         await self._heralds.herald(update)
         self.store.add(update)
         self.stats["published"] += 1
+        if self.tree is not None and self.tree.publish(update):
+            return  # up the aggregation tree instead (it announces if no total brings it back in time)
         self._announcer.announce()
 
     async def request_pull(self, peer: str) -> None:

@@ -1,0 +1,135 @@
+"""The aggregation tree on real SwarmNodes (net/gossip/tree.py, net/gossip/tree_audits.py): updates go up the
+epoch's tree and come back down as one audited, signed total that every replica merges, with no announce or pull;
+a lying aggregator is caught by its auditor, the evidence bans it on every peer, and its children's updates still
+reach everyone through their authors' fallback."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import p2p_diloco.net.gossip.tree as tree_module
+from p2p_diloco.config import preset
+from p2p_diloco.net.gossip.service import Gossip, GossipConfig
+from p2p_diloco.sim.liars import lie
+from p2p_diloco.sync.intake import Intake
+from p2p_diloco.sync.replica import Replica
+from p2p_diloco.sync.store import UpdateStore
+from p2p_diloco.wire.codecs import get_codec
+from p2p_diloco.wire.envelope import OuterUpdate, make_update
+from p2p_diloco.wire.identity import Identity
+from tests.helpers.net import LoopThread, Member, start_member
+from tests.net.test_gossip import QUIET, wait_until
+
+BASE = preset("test")
+SPEC = dataclasses.replace(BASE, run_id="tree-test", defence=dataclasses.replace(BASE.defence, copy_cosine=0.0))
+NUMEL = 6000  # two Merkle chunks
+CODEC = get_codec(SPEC.outer.codec, SPEC.outer.codec_block)
+PEERS = 5  # fan-in 2: a root, two inner nodes, two leaves
+
+
+@pytest.fixture(scope="module")
+def five(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Member]]:
+    out: list[Member] = []
+    try:
+        for _ in range(PEERS):
+            out.append(loop.run(start_member(tmp_path_factory, tuple(out[0].node.visible_maddrs()) if out else ())))
+        yield out
+    finally:
+        for m in out:
+            loop.run(m.node.shutdown(), timeout_s=30)
+
+
+def _replica(me: str) -> Replica:
+    return Replica.from_spec(SPEC, torch.linspace(-1.0, 1.0, NUMEL), codec=CODEC, self_id=me)
+
+
+def _update(identity: Identity, seed: int) -> OuterUpdate:
+    payload = CODEC.compress(0.01 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)))
+    return make_update(run_id=SPEC.run_id, spec_hash=SPEC.spec_hash(), seq=1, tau=0, samples=8, weight=0.5,
+                       codec=CODEC.name, numel=NUMEL, identity=identity, payload=payload)
+
+
+@contextlib.contextmanager
+def aggregating(loop: LoopThread, members: list[Member], config: GossipConfig) -> Iterator[list[Gossip]]:
+    """A started Gossip with the tree on each member; every member started aggregating long before this epoch."""
+    gossips: list[Gossip] = []
+    everyone = {m.node.peer_id: 0.0 for m in members}
+    try:
+        for member in members:
+            me = member.node.peer_id
+            intake = Intake(SPEC, NUMEL, _replica(me))
+            gossip = Gossip(member.node, SPEC.run_id, intake, UpdateStore(config.retained_bytes), config,
+                            peers=lambda: list(everyone), identity=member.identity, since=0.0,
+                            tree_members=lambda: everyone)
+            gossips.append(gossip)
+            loop.run(gossip.start())
+        yield gossips
+    finally:
+        for gossip in gossips:
+            loop.run(gossip.stop(), timeout_s=30)
+
+
+def _publish(loop: LoopThread, gossip: Gossip, update: OuterUpdate) -> None:
+    assert gossip.intake.replica.offer(update)[0].value == "merged"  # the learner merges its own first
+    loop.run(gossip.publish(update))
+
+
+def _reference(updates: list[OuterUpdate], me: str) -> Replica:
+    replica = _replica(me)
+    for update in sorted(updates, key=lambda u: u.sender):
+        replica.offer(update)
+    return replica
+
+
+CONFIG = GossipConfig(fanout=2, anti_entropy_s=QUIET, rpc_timeout_s=5, aggregate=2, aggregate_epoch_s=3600.0,
+                      aggregate_wait_s=0.5, aggregate_fallback_s=QUIET)
+
+
+def test_updates_go_up_the_tree_and_every_replica_merges_the_one_total(loop, five) -> None:
+    with aggregating(loop, five, CONFIG) as gossips:
+        updates = [_update(m.identity, seed=i) for i, m in enumerate(five)]
+        for gossip, update in zip(gossips, updates):
+            _publish(loop, gossip, update)
+        wait_until(lambda: all(g.intake.replica.version_vector.total() == PEERS for g in gossips), 30,
+                   "every update on every replica")
+        for gossip in gossips:
+            stats = gossip.stats
+            assert stats["tree_totals_merged"] >= 1 and stats["tree_fallbacks"] == 0
+            assert stats["announces_sent"] == 0 and stats["pulls"] == 0  # the tree alone carried them
+            reference = _reference(updates, gossip.node.peer_id)
+            assert gossip.intake.replica.version_vector == reference.version_vector
+            torch.testing.assert_close(gossip.intake.replica.theta, reference.theta, rtol=0, atol=1e-6)
+        assert sum(g.stats["audits_passed"] for g in gossips) >= 3  # each sum and the total checked before use
+        assert all(g.stats["lies_caught"] == 0 and not g.intake.replica.banned for g in gossips)
+
+
+def test_a_lying_aggregator_is_caught_banned_everywhere_and_its_parts_fall_back(loop, five, monkeypatch) -> None:
+    config = dataclasses.replace(CONFIG, aggregate_fallback_s=3.0)
+    with aggregating(loop, five, config) as gossips:
+        tree = gossips[0].tree.tree(gossips[0].tree.epoch())
+        liar_id = tree.order[1]  # the root's first child: an inner node whose sum the root audits
+        liar = next(m for m in five if m.node.peer_id == liar_id)
+        honest_build = tree_module.build_sum
+
+        def build(**kwargs):  # type: ignore[no-untyped-def]
+            s = honest_build(**kwargs)
+            return lie(s, liar.identity, list(kwargs["children"])) if kwargs["identity"] is liar.identity and s else s
+        monkeypatch.setattr(tree_module, "build_sum", build)
+        updates = [_update(m.identity, seed=10 + i) for i, m in enumerate(five)]
+        for gossip, update in zip(gossips, updates):
+            _publish(loop, gossip, update)
+        honest = [g for g in gossips if g.node.peer_id != liar_id]
+        wait_until(lambda: all(liar_id in g.intake.replica.banned for g in honest), 30, "the liar banned everywhere")
+        assert sum(g.stats["lies_caught"] for g in honest) >= 1
+        assert sum(g.stats["evidence_held"] for g in honest) >= len(honest) - 1  # all but the auditor, by evidence
+        kept = [u for u in updates if u.sender != liar_id]
+        wait_until(lambda: all(all(g.intake.replica.version_vector.has(u.sender, 1) for u in kept) for g in honest),
+                   30, "the honest updates on every honest replica")
+        for gossip in honest:  # nothing of the lie, nor of the liar's own update, is in any honest replica
+            reference = _reference(kept, gossip.node.peer_id)
+            torch.testing.assert_close(gossip.intake.replica.theta, reference.theta, rtol=0, atol=1e-6)
