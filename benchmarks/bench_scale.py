@@ -141,6 +141,9 @@ def exp_traffic(base: ScaleConfig, log: dict, md: list[str]) -> None:
                                                                 dedup_inflight=False)) for n in (8, 32, 128)]
     configs += [(f"tree N={n}", dataclasses.replace(job, units=n, chips=n, gossip="tree"))
                 for n in (4, 8, 16, 32, 64, 128, 256, 512, 1024)]
+    configs += [(f"tree, real rules N={n}", dataclasses.replace(job, units=n, chips=n, gossip="tree",
+                                                                 tree_rules="real"))
+                for n in (4, 16, 64, 256, 1024)]
     results = sweep("traffic", configs, log)
     link_per_round = job.bandwidth_mbps * 1e6 / 8 * job.round_s
     md.append("### (b) Per-unit traffic vs number of units\n")
@@ -159,7 +162,8 @@ def exp_traffic(base: ScaleConfig, log: dict, md: list[str]) -> None:
     for res in results:
         c, r = res.config, res.methods["decoupled"]
         t, lat = r.traffic, r.delivery_latency_s
-        mode = "full, no claims" if c.gossip == "full" and not c.dedup_inflight else c.gossip
+        mode = "full, no claims" if c.gossip == "full" and not c.dedup_inflight else \
+            "tree, real rules" if c.gossip == "tree" and c.tree_rules == "real" else c.gossip
         md.append(f"| {mode} | {c.units} | {t['payload_sent_mean'] / 1e9:.2f} GB | {t['copies_sent_mean']:.2f} | "
                   f"{t['metadata_sent_mean'] / 1e6:.2f} MB | {t['sent_max'] / 1e9:.2f} GB | "
                   f"{pct(t['sent_mean'] / link_per_round)} | {pct(r.gossip['duplicate_fraction'])} | "

@@ -68,6 +68,11 @@ class ScaleConfig:
     """Mean seconds before a unit that missed an update pulls it from a holder (anti-entropy)."""
     tree_fanin: int = 8
     """Children per node of the aggregation tree ('tree' mode)."""
+    tree_rules: str = "ideal"
+    """What a tree's sums cost ('tree' mode): 'ideal', a sum the size of one update and nothing else (the first
+    rows); 'real', the rules net/gossip/tree.py runs: a leaf sends its updates themselves, a sum (and the total)
+    is exact int32 (4 bytes a parameter) and names each part by its author's herald, and every sum is audited
+    (the aggregator re-sends the updates it added itself to its auditor; the root to each of its children)."""
     aggregation_period_s: float = 0.0
     """Seconds between aggregation epochs in 'tree' mode (0: one nominal round)."""
     duration_h: float = 168.0
@@ -94,6 +99,11 @@ class ScaleConfig:
         return math.ceil(self.params * self.codec_bits / 8) + self.header_bytes
 
     @property
+    def sum_bytes(self) -> int:
+        """A group sum on the wire: the update's size under the 'ideal' rules, exact int32 under the 'real'."""
+        return self.update_bytes if self.tree_rules == "ideal" else 4 * self.params + self.header_bytes
+
+    @property
     def state_bytes(self) -> int:
         """A full state sync: theta in fp32."""
         return 4 * self.params + self.header_bytes
@@ -117,6 +127,8 @@ class ScaleConfig:
             raise ValueError("checkpoint_interval_s, bandwidth_mbps and anti_entropy_s must be > 0")
         if self.gossip not in GOSSIP_MODES:
             raise ValueError(f"gossip must be one of {GOSSIP_MODES}, got {self.gossip!r}")
+        if self.tree_rules not in ("ideal", "real"):
+            raise ValueError(f"tree_rules must be ideal or real, got {self.tree_rules!r}")
         if self.fanout < 1 or self.tree_fanin < 2 or self.samples < 0 or self.aggregation_period_s < 0:
             raise ValueError("need fanout >= 1, tree_fanin >= 2, samples >= 0, aggregation_period_s >= 0")
         if not self.methods or set(self.methods) - set(METHODS):

@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING
 
 from p2p_diloco.sim.scale_state import UP
 
+HERALD_BYTES = 250
+"""A part's signed header, as a sum names it under the real rules (wire/herald.py: sender, seq, digests, signature)."""
+
 if TYPE_CHECKING:
     from p2p_diloco.sim.scale_state import SwarmHost, Unit, Update
 
@@ -151,7 +154,9 @@ class TreeAggregation:
         self.period_s = cfg.aggregation_period_s or cfg.round_s
         self.confirmed = [0] * swarm.n  # per sender: highest seq known to be in a delivered sum
         self.epoch = 0
-        bytes_per_hop = cfg.tree_fanin * cfg.update_bytes  # a node receives k sums, or sends k copies
+        bytes_per_hop = cfg.tree_fanin * cfg.sum_bytes  # a node receives k sums, or sends k copies
+        self.real = cfg.tree_rules == "real"
+        self._direct: list[int] = []  # per place of the epoch's tree: the updates its node adds itself
         self.hop_s = cfg.latency_s + bytes_per_hop / swarm.links.bytes_per_s
 
     def start(self) -> None:
@@ -160,7 +165,7 @@ class TreeAggregation:
     def catch_up_bytes(self, items: list[Update]) -> int:
         """A donor serves the epochs' sums (and single updates not yet in any)."""
         epochs = {u.epoch for u in items if u.epoch is not None}
-        return (len(epochs) + sum(1 for u in items if u.epoch is None)) * self.sw.cfg.update_bytes
+        return len(epochs) * self.sw.cfg.sum_bytes + sum(1 for u in items if u.epoch is None) * self.sw.cfg.update_bytes
 
     def publish(self, u: Unit, update: Update) -> None:
         pass  # merged locally already; offered in the next epoch
@@ -204,25 +209,40 @@ class TreeAggregation:
     def _reduce(self, order: list[Unit], levels: list[int], depth: int, t0: float,
                 offers: dict[int, tuple[int, int]]) -> list[list[int] | None]:
         """Bottom-up: each node's subtree senders, or None if the node died before sending its sum."""
-        sw, k, meta = self.sw, self.sw.cfg.tree_fanin, self.sw.cfg.vector_entry_bytes
+        sw, k, cfg = self.sw, self.sw.cfg.tree_fanin, self.sw.cfg
+        meta = HERALD_BYTES if self.real else cfg.vector_entry_bytes
         sub: list[list[int] | None] = [None] * len(order)
         for i in range(len(order) - 1, -1, -1):
             u = order[i]
             if not self._up_through(u, t0, t0 + (depth - levels[i]) * self.hop_s):
                 continue
             senders = [u.index] if u.index in offers else []
+            direct = self._seqs(offers, senders)  # the updates it adds itself (the real rules audit them)
             for c in range(k * i + 1, min(k * i + k + 1, len(order))):
                 child = sub[c]
                 if child is not None:  # an empty subtree sends a header only
                     senders.extend(child)
-                    payload = sw.cfg.update_bytes if child else 0
-                    sw.count(order[c], u, payload, sw.cfg.header_bytes + meta * len(child))
+                    leaf = k * c + 1 >= len(order)
+                    if not self.real:
+                        payload = cfg.update_bytes if child else 0
+                    elif leaf:  # a leaf sends its updates themselves, each once
+                        payload = self._seqs(offers, child) * cfg.update_bytes
+                        direct += self._seqs(offers, child)
+                    else:  # an inner child's sum, and its answer to our audit (the updates it added itself)
+                        payload = (cfg.sum_bytes + self._direct[c] * cfg.update_bytes) if child else 0
+                    sw.count(order[c], u, payload, cfg.header_bytes + meta * len(child))
+            self._direct[i] = direct
             sub[i] = senders
         return sub
+
+    @staticmethod
+    def _seqs(offers: dict[int, tuple[int, int]], senders: list[int]) -> int:
+        return sum(offers[s][1] - offers[s][0] + 1 for s in senders if s in offers)
 
     def _epoch_end(self, epoch: int, t0: float, order: list[Unit], levels: list[int], depth: int,
                    offers: dict[int, tuple[int, int]]) -> None:
         sw, k = self.sw, self.sw.cfg.tree_fanin
+        self._direct = [0] * len(order)
         root = self._reduce(order, levels, depth, t0, offers)[0]
         if root is None:
             sw.stats["epochs_lost"] += 1
@@ -236,7 +256,8 @@ class TreeAggregation:
         for s in root:
             self.confirmed[s] = max(self.confirmed[s], offers[s][1])
         t_root = t0 + depth * self.hop_s
-        meta = sw.cfg.header_bytes + sw.cfg.vector_entry_bytes * len(root)
+        meta = sw.cfg.header_bytes + (HERALD_BYTES if self.real else sw.cfg.vector_entry_bytes) * len(root)
+        audit = self._direct[0] * sw.cfg.update_bytes if self.real else 0  # the root's children audit the total
         reached = [False] * len(order)
         reached[0] = True
         for i, u in enumerate(order):
@@ -244,7 +265,7 @@ class TreeAggregation:
                 p = (i - 1) // k
                 forwarded = reached[p] and self._up_through(order[p], t0, t_root + (levels[p] + 1) * self.hop_s)
                 if forwarded:
-                    sw.count(order[p], u, sw.cfg.update_bytes, meta)
+                    sw.count(order[p], u, sw.cfg.sum_bytes + (audit if p == 0 else 0), meta)
                 reached[i] = forwarded and self._up_through(u, t0, t_root + levels[i] * self.hop_s)
             if reached[i]:
                 at = t_root + levels[i] * self.hop_s
@@ -270,7 +291,7 @@ class TreeAggregation:
             return
         donor = sw.rng.choice(donors)
         sw.stats["repairs"] += 1
-        sw.links.send(donor, u, sw.cfg.update_bytes, meta, sw.queue.now + sw.cfg.latency_s, self._repaired, u, life,
+        sw.links.send(donor, u, sw.cfg.sum_bytes, meta, sw.queue.now + sw.cfg.latency_s, self._repaired, u, life,
                       parts)
 
     def _repaired(self, ok: bool, u: Unit, life: int, parts: list[Update]) -> None:

@@ -37,6 +37,10 @@ authenticated by libp2p and never read from a payload.
                  before it announces the update (wire/herald.py; net/gossip/heralds.py)
       response = b""; the sponsor dates the proposal by it for the copy rule (sync/heralds.py)
 
+  tree, audit   with `aggregate` > 0: the aggregation tree's RPCs (net/gossip/tree.py, net/gossip/tree_audits.py);
+                our own updates go up the tree instead of being announced (announced after `aggregate_fallback_s`
+                if no total we merged holds them)
+
 Rules:
   - Every received update goes through `Intake.receive` (size, signature, digest, layout, then the replica's
     merge rule) in a worker thread; if it merged or was buffered, it goes into our store, to serve others.
