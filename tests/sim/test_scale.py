@@ -123,6 +123,21 @@ def test_full_dissemination_traffic_grows_linearly_and_tree_stays_flat():
     assert copies["full", 64] / copies["full", 4] > 12
 
 
+def test_the_real_tree_rules_cost_more_than_the_ideal_tree_and_stay_flat():
+    """int32 sums, leaves' updates whole and audit answers (`tree_rules="real"`): more bytes than sums the size of
+    an update, still independent of N, still every update delivered."""
+    sent = {}
+    for rules in ("ideal", "real"):
+        for n in (4, 16, 64):
+            res = run(units=n, chips=n, mtbf_chip_h=NO_FAILURES, gossip="tree", tree_rules=rules,
+                      duration_h=1.0, methods=("decoupled",))["decoupled"]
+            assert res.converged
+            sent[rules, n] = res.traffic["sent_mean"]
+    for n in (4, 16, 64):
+        assert sent["real", n] > 2 * sent["ideal", n], sent  # a sum is 4 bytes a parameter, an update less
+    assert max(sent["real", n] for n in (4, 16, 64)) < 2 * min(sent["real", n] for n in (4, 16, 64)), sent
+
+
 def test_gossip_without_claims_pulls_duplicates_that_the_real_gossip_avoids():
     # 5 MB updates take 40 ms on 1 Gbps: a second announcer often arrives while the first pull is in flight.
     base = dict(mtbf_chip_h=NO_FAILURES, units=16, chips=16, duration_h=2.0, methods=("decoupled",))
