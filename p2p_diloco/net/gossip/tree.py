@@ -98,6 +98,7 @@ class TreeGossip:
         self._sums: list[GroupSum] = []  # audited child sums we hold for our next sum
         self._heard: set[str] = set()  # children that sent something since our last sum
         self._timer: asyncio.TimerHandle | None = None
+        self._fallbacks: list[asyncio.TimerHandle] = []  # our updates' fallback checks, cancelled by `halt`
         self._waiting: list[GroupSum] = []  # totals that do not fit our vector yet
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # sums and totals we took in (each once)
         self._passed: OrderedDict[tuple[str, int], None] = OrderedDict()  # slots we sent up in a sum or update
@@ -122,8 +123,9 @@ class TreeGossip:
         await self.audits.unserve()
 
     def halt(self) -> list[asyncio.Task]:
-        if self._timer is not None:
-            self._timer.cancel()
+        for handle in [self._timer, *self._fallbacks]:
+            if handle is not None:
+                handle.cancel()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -164,7 +166,9 @@ class TreeGossip:
             if self._sends.send(parent, request, "tree-update") is not None:
                 self.stats["tree_updates_sent"] += 1
                 self._pass([(update.sender, update.seq)])
-        asyncio.get_running_loop().call_later(self.fallback_s, self._fallback, update.seq)
+        loop = asyncio.get_running_loop()
+        self._fallbacks = [h for h in self._fallbacks if h.when() > loop.time()]  # those still to come
+        self._fallbacks.append(loop.call_later(self.fallback_s, self._fallback, update.seq))
         return True
 
     def _fallback(self, seq: int) -> None:
@@ -182,7 +186,7 @@ class TreeGossip:
             if not (isinstance(m, dict) and m.get("k") in (UPDATE, SUM, TOTAL) and type(m.get("e")) is int
                     and isinstance(m.get("b"), bytes)):
                 raise ValueError("a tree message is {k, e, b}")
-        except ValueError as e:
+        except Exception as e:  # untrusted bytes: whatever msgpack raises
             self.stats["tree_refused"] += 1
             raise rpc.RpcError(f"bad tree message: {e}") from None
         if len(self._tasks) >= MAX_TASKS:
@@ -240,6 +244,9 @@ class TreeGossip:
         await self._merge(s)
 
     async def _merge(self, s: GroupSum) -> None:
+        # A total (audited, or below the root's children) that names our update: it went out, whether or not we
+        # can merge it ourselves (all its parts may have reached us by pulls already).
+        self.delivered = max([self.delivered, *(seq for sender, seq in s.header.slots if sender == self.me)])
         outcome = await asyncio.to_thread(self.intake.replica.offer_sum, sum_parts(s), sum_total(s),
                                           held=self.store.get)
         if outcome.reason == "gap":
@@ -250,8 +257,6 @@ class TreeGossip:
             logger.debug("total not merged aggregator=%s reason=%s", s.aggregator[-8:], outcome.reason)
             return
         self.stats["tree_totals_merged"] += 1
-        mine = [seq for sender, seq in s.header.slots if sender == self.me]
-        self.delivered = max([self.delivered, *mine])
         waiting, self._waiting = self._waiting, []
         for later in waiting:
             await self._merge(later)
