@@ -150,3 +150,16 @@ def test_a_bad_bootstrap_multiaddr_is_answered_before_torch_or_hivemind_load(tmp
         f"p2p-diloco {command}: error: bad multiaddr '{bad}': Invalid MultiAddr '{bad}': invalid base 10 integer; "
         "expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."], proc.stderr
     assert not (tmp_path / "id.key").exists()
+
+
+def test_aggregation_is_refused_with_a_clear_error_where_sums_cannot_carry_the_weights() -> None:
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.config.network import GossipConfig
+
+    with pytest.raises(ConfigError, match="--gossip.aggregate needs exact merge weights.*copy-cosine 0"):
+        JoinConfig(gossip=GossipConfig(aggregate=8)).validate()  # the copy rule reads payloads
+    with pytest.raises(ValueError, match="fan-in\\) must be 0 or >= 2, got 1"):
+        JoinConfig(gossip=GossipConfig(aggregate=1)).validate()
+    spec = preset("test")
+    no_copy_rule = dataclasses.replace(spec, defence=dataclasses.replace(spec.defence, copy_cosine=0.0))
+    assert JoinConfig(spec=no_copy_rule, gossip=GossipConfig(aggregate=8)).validate().gossip.aggregate == 8
