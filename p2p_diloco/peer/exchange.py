@@ -85,8 +85,9 @@ class SwarmExchange:
             return self._backlog
         live = network.peers
         held = [vector.get(me) for peer, vector in known.items() if peer != me and peer in live]
-        if gossip.tree is not None and gossip.tree.delivered:  # a total holding it came back: it is out
-            held.append(gossip.tree.delivered)
+        tree = gossip.tree
+        if tree is not None and tree.delivered:  # a total holding it came back: it is out
+            held.append(tree.delivered)
         self._backlog = max(0, learner.last_seq - max(held)) if held else 0
         return self._backlog
 

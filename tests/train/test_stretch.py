@@ -198,7 +198,7 @@ def test_training_config_checks_the_stretch_settings() -> None:
 
 
 def fake_network(last_seq: int, known: dict[str, VersionVector], live: set[str], me: str = "me"):
-    gossip = SimpleNamespace(known_vectors=lambda: dict(known))
+    gossip = SimpleNamespace(known_vectors=lambda: dict(known), tree=None)
     return SimpleNamespace(gossip=gossip, node=SimpleNamespace(peer_id=me), learner=SimpleNamespace(last_seq=last_seq),
                            peers={p: {} for p in live | {me}})
 
