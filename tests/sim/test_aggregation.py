@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from p2p_diloco.config import SimConfig, preset
@@ -12,6 +13,8 @@ from p2p_diloco.sim.liars import lying_aggregator
 from p2p_diloco.sim.swarm import AsyncSwarm
 from p2p_diloco.sync.exact_sum import from_grid
 from p2p_diloco.train.data.corpus import load_corpus
+
+pytestmark = pytest.mark.slow  # 50 s on 2 cores; the default suite's representative is tests/net/test_tree.py
 
 BASE = preset("test")
 SPEC = dataclasses.replace(BASE, defence=dataclasses.replace(BASE.defence, copy_cosine=0.0))
