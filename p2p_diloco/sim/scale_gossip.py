@@ -156,7 +156,6 @@ class TreeAggregation:
         self.epoch = 0
         bytes_per_hop = cfg.tree_fanin * cfg.sum_bytes  # a node receives k sums, or sends k copies
         self.real = cfg.tree_rules == "real"
-        self._direct: list[int] = []  # per place of the epoch's tree: the updates its node adds itself
         self.hop_s = cfg.latency_s + bytes_per_hop / swarm.links.bytes_per_s
 
     def start(self) -> None:
@@ -207,11 +206,13 @@ class TreeAggregation:
         return u.state == UP or u.down_since >= until
 
     def _reduce(self, order: list[Unit], levels: list[int], depth: int, t0: float,
-                offers: dict[int, tuple[int, int]]) -> list[list[int] | None]:
-        """Bottom-up: each node's subtree senders, or None if the node died before sending its sum."""
+                offers: dict[int, tuple[int, int]]) -> tuple[list[list[int] | None], list[int]]:
+        """Bottom-up: each node's subtree senders, or None if the node died before sending its sum; and the
+        updates each node added itself (what the real rules' audits re-send)."""
         sw, k, cfg = self.sw, self.sw.cfg.tree_fanin, self.sw.cfg
         meta = HERALD_BYTES if self.real else cfg.vector_entry_bytes
         sub: list[list[int] | None] = [None] * len(order)
+        directs = [0] * len(order)
         for i in range(len(order) - 1, -1, -1):
             u = order[i]
             if not self._up_through(u, t0, t0 + (depth - levels[i]) * self.hop_s):
@@ -229,11 +230,11 @@ class TreeAggregation:
                         payload = self._seqs(offers, child) * cfg.update_bytes
                         direct += self._seqs(offers, child)
                     else:  # an inner child's sum, and its answer to our audit (the updates it added itself)
-                        payload = (cfg.sum_bytes + self._direct[c] * cfg.update_bytes) if child else 0
+                        payload = (cfg.sum_bytes + directs[c] * cfg.update_bytes) if child else 0
                     sw.count(order[c], u, payload, cfg.header_bytes + meta * len(child))
-            self._direct[i] = direct
+            directs[i] = direct
             sub[i] = senders
-        return sub
+        return sub, directs
 
     @staticmethod
     def _seqs(offers: dict[int, tuple[int, int]], senders: list[int]) -> int:
@@ -242,8 +243,8 @@ class TreeAggregation:
     def _epoch_end(self, epoch: int, t0: float, order: list[Unit], levels: list[int], depth: int,
                    offers: dict[int, tuple[int, int]]) -> None:
         sw, k = self.sw, self.sw.cfg.tree_fanin
-        self._direct = [0] * len(order)
-        root = self._reduce(order, levels, depth, t0, offers)[0]
+        subtrees, directs = self._reduce(order, levels, depth, t0, offers)
+        root = subtrees[0]
         if root is None:
             sw.stats["epochs_lost"] += 1
             return
@@ -257,7 +258,7 @@ class TreeAggregation:
             self.confirmed[s] = max(self.confirmed[s], offers[s][1])
         t_root = t0 + depth * self.hop_s
         meta = sw.cfg.header_bytes + (HERALD_BYTES if self.real else sw.cfg.vector_entry_bytes) * len(root)
-        audit = self._direct[0] * sw.cfg.update_bytes if self.real else 0  # the root's children audit the total
+        audit = directs[0] * sw.cfg.update_bytes if self.real else 0  # the root's children audit the total
         reached = [False] * len(order)
         reached[0] = True
         for i, u in enumerate(order):

@@ -99,10 +99,7 @@ class EvidenceRelay:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout_s)
-        try:
-            await asyncio.wait_for(rpc.unserve(self.node.p2p, self.name), self.timeout_s / 2)
-        except Exception as e:  # e.g. the node is already shut down
-            logger.debug("evidence unserve failed error=%r", e)
+        await rpc.unserve(self.node.p2p, self.name, timeout_s=self.timeout_s / 2)
 
     def publish(self, first: bytes, second: bytes, exclude: Sequence[str] = ()) -> None:
         """Push the two envelopes of an equivocation to `fanout` random live peers, once per accused sender

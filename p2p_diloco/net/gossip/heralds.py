@@ -62,10 +62,7 @@ class Heralds:
                                          timeout_s=self.timeout_s, max_concurrent=MAX_HERALDS_SERVED, guard=self.guard)
 
     async def unserve(self) -> None:
-        try:
-            await asyncio.wait_for(rpc.unserve(self.node.p2p, self.name), self.timeout_s / 2)
-        except Exception as e:  # e.g. the node is already shut down
-            logger.debug("herald unserve failed error=%r", e)
+        await rpc.unserve(self.node.p2p, self.name, timeout_s=self.timeout_s / 2)
 
     async def rpc_herald(self, request: bytes, caller: str) -> bytes:
         # The replica's lock may be held by a merge for a while: off the loop, as pulls' merges are.

@@ -116,10 +116,7 @@ class TreeGossip:
         await self.audits.serve()
 
     async def unserve(self) -> None:
-        try:
-            await asyncio.wait_for(rpc.unserve(self.node.p2p, self.name), self.timeout_s / 2)
-        except Exception as e:  # e.g. the node is already shut down
-            logger.debug("tree unserve failed error=%r", e)
+        await rpc.unserve(self.node.p2p, self.name, timeout_s=self.timeout_s / 2)
         await self.audits.unserve()
 
     def halt(self) -> list[asyncio.Task]:
@@ -222,9 +219,7 @@ class TreeGossip:
                                     numel=self.numel)
         if s.aggregator in self.intake.replica.banned or s.sum_id in self._seen:
             return
-        self._seen[s.sum_id] = None
-        while len(self._seen) > MAX_SEEN:
-            self._seen.popitem(last=False)
+        self._see(s)
         if kind == SUM:
             if any(slot in self._passed for slot in s.header.slots):
                 self.stats["tree_loops"] += 1  # it holds what we sent up: our views of the tree differ
@@ -313,7 +308,7 @@ class TreeGossip:
         used = [c for c in children if c.sum_id in {sid for sid, _ in s.header.children}]
         covered = {slot for c in used for slot in c.header.slots}
         self.audits.kept(s, [u for u in direct if (u.sender, u.seq) in set(s.header.slots) - covered], used)
-        self._seen[s.sum_id] = None
+        self._see(s)
         tree = self.tree(epoch)
         parent = tree.parent(self.me) if self.me in tree else tree.root if tree.order else None
         if parent is not None and parent != self.me:
@@ -328,6 +323,11 @@ class TreeGossip:
         for peer in [*(tree.children(self.me) if self.me in tree else ()), *outside]:
             self._sends.send(peer, request, "tree-total")
         await self._merge(s)
+
+    def _see(self, s: GroupSum) -> None:
+        self._seen[s.sum_id] = None
+        while len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
 
     def _pass(self, slots: Iterable[tuple[str, int]]) -> None:
         for slot in slots:

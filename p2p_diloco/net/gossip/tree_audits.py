@@ -71,10 +71,7 @@ class TreeAudits:
                                          timeout_s=self.timeout_s, max_concurrent=MAX_AUDITS_SERVED, guard=self.guard)
 
     async def unserve(self) -> None:
-        try:
-            await asyncio.wait_for(rpc.unserve(self.node.p2p, self.name), self.timeout_s / 2)
-        except Exception as e:  # e.g. the node is already shut down
-            logger.debug("audit unserve failed error=%r", e)
+        await rpc.unserve(self.node.p2p, self.name, timeout_s=self.timeout_s / 2)
 
     def halt(self) -> list[asyncio.Task]:
         return self._sends.halt()

@@ -298,7 +298,14 @@ async def serve(p2p: P2P, name: str, handler: Handler, *, max_request_bytes: int
     return server.stats
 
 
-async def unserve(p2p: P2P, name: str) -> None:
-    """Stop serving `name`."""
-    await p2p.remove_binary_stream_handler(name)
+async def unserve(p2p: P2P, name: str, *, timeout_s: float | None = None) -> None:
+    """Stop serving `name`. With `timeout_s`: within it, and a failure (e.g. the node is already shut down) is
+    logged, never raised: what a service's `stop` wants."""
+    if timeout_s is None:
+        await p2p.remove_binary_stream_handler(name)
+        return
+    try:
+        await asyncio.wait_for(p2p.remove_binary_stream_handler(name), timeout_s)
+    except Exception as e:
+        logger.debug("unserve failed name=%s error=%r", name, e)
 
