@@ -213,7 +213,10 @@ def test_out_of_order_updates_are_buffered_then_released(loop, members) -> None:
         assert b.vv.get(a.node.peer_id) == 0
         wait_until(lambda: b.replica.stats["duplicate"] > 0, 10, "a pull that re-sends the buffered updates")
         loop.run(hold(u1))
-        wait_until(lambda: b.vv.get(a.node.peer_id) == 3, 10, "seq 1 to release seq 2 and 3")
+        # V moves inside the merge and the count just after it, both under the replica's lock; this thread reads
+        # them without it, so wait on both (CI once read V = 3 with merged = 2).
+        wait_until(lambda: b.vv.get(a.node.peer_id) == 3 and b.replica.stats["merged"] == 3, 10,
+                   "seq 1 to release seq 2 and 3")
         assert b.replica.n_buffered == 0 and b.intake.counts["buffered"] == 2
         # Duplicates arrived (every anti-entropy pull re-sent the buffered updates) and none merged twice.
         assert b.replica.stats["merged"] == 3 and b.replica.stats["duplicate"] >= 2

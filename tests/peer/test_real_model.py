@@ -55,6 +55,8 @@ def swarm(tmp_path_factory):
         yield workdir, peers
 
 
+@pytest.mark.slow  # 3 Llama units in processes (over 100 s on 2 cores); the default suite keeps the model, the tokens
+# and the export in-process: tests/train/test_hf_model.py, tests/train/test_export.py
 def test_mixed_units_train_a_llama_on_tokens_and_agree(swarm):
     _, peers = swarm
     for proc in peers:
@@ -77,6 +79,7 @@ def test_mixed_units_train_a_llama_on_tokens_and_agree(swarm):
     assert_replicas_agree(peers, clean=True)
 
 
+@pytest.mark.slow  # reads the swarm above; tests/train/test_export.py is the default suite's export test
 def test_export_loads_in_transformers_and_generate_prints_text(swarm, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -80,6 +80,8 @@ def assert_resumed(victim: Proc, first: list[dict], second: list[dict]) -> dict:
     return restore
 
 
+@pytest.mark.slow  # 4 processes, a kill and a restart (35-56 s on 2 cores); the default suite keeps the checkpoint's
+# crash safety (tests/train/test_checkpoint.py) and a joiner's state sync (tests/peer/test_swarm.py)
 def test_kill_mid_inner_phase_then_restart_catches_up(tmp_path: Path) -> None:
     """bootstrap + A, B, C. C is SIGKILLed mid inner phase after a checkpoint, B leaves cleanly (SIGINT) at the
     same time; both are restarted. C loads its checkpoint and takes back the update it published after it; B

@@ -23,7 +23,7 @@ BASE = dataclasses.replace(BASE, data=dataclasses.replace(BASE.data, max_corpus_
 pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the stdlib
 
 
-@pytest.mark.parametrize("outer", [{}, {"momentum": 0.9, "outer_lr": 0.7},
+@pytest.mark.parametrize("outer", [{}, pytest.param({"momentum": 0.9, "outer_lr": 0.7}, marks=pytest.mark.slow),
                                    pytest.param({"momentum_source": "swarm", "momentum": 0.5},
                                                 marks=pytest.mark.slow)],  # an opt-in step: the slow set's
                          ids=["default", "diloco", "swarm-momentum"])

@@ -26,6 +26,8 @@ def _run(crowd: int, *, after: int = 0, steps: int = 240) -> tuple[CrowdSwarm, d
     return swarm, swarm.honest_summary(swarm.run())
 
 
+@pytest.mark.slow  # 13 learners (65-95 s on 2 cores); the default suite's crowd representatives:
+# tests/sim/test_sponsorship_swarm.py and tests/sim/test_crowd_causal.py
 def test_ten_poisoning_identities_cost_the_honest_replicas_at_most_five_percent() -> None:
     _, clean = _run(0)
     swarm, attacked = _run(10)

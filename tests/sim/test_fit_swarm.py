@@ -33,6 +33,8 @@ def _run(share: float, monkeypatch: pytest.MonkeyPatch) -> tuple[CrowdSwarm, dic
     return swarm, swarm.honest_summary(swarm.run())
 
 
+@pytest.mark.slow  # 50 s on 2 cores; the default suite keeps the fit check on a real model (tests/train/test_fit.py)
+# and its selection (tests/sync/test_fitness.py)
 def test_a_file_shard_volunteer_graduates_by_what_its_work_teaches_and_its_echoes_do_not(monkeypatch) -> None:
     swarm, summary = _run(0.25, monkeypatch)
     assert summary["finite"] and summary["divergence"] < 1e-6

@@ -25,6 +25,8 @@ def _spec():  # noqa: ANN202
                                defence=DefenceConfig())
 
 
+@pytest.mark.slow  # 47 s on 2 cores; the default suite keeps the relay (tests/sync/test_sponsorship.py) and a swarm with
+# a volunteer relayed through a crowd (tests/sim/test_sponsorship_swarm.py)
 def test_a_late_volunteer_copied_by_a_crowd_is_relayed_as_a_member_from_its_fourth_update() -> None:
     # No timing noise and no grace window: the phase offsets are fixed. The crowd is the strongest a network allows
     # (`adjacent`: it holds each update as soon as its payload could first have crossed the volunteer's uplink, and

@@ -28,6 +28,7 @@ def test_four_peers_lower_eval_loss_and_agree_when_quiet(corpus):
     assert sum(merged) == sum(len(p.taus) for p in result.peers) * 3  # each update reached the 3 others
 
 
+@pytest.mark.slow  # the default suite kills a real peer instead (tests/peer/test_swarm.py)
 def test_crashed_peer_does_not_stop_the_others(corpus):
     sim = SimConfig(peers=4, total_steps=4 * 20 * 4, crash=("1@30",), eval_batches=2)
     result = simulate(SPEC, sim, corpus)
@@ -37,6 +38,7 @@ def test_crashed_peer_does_not_stop_the_others(corpus):
     assert result.divergence < 1e-5
 
 
+@pytest.mark.slow  # the default suite has a real joiner sync (tests/peer/test_swarm.py)
 def test_joiner_syncs_and_its_updates_are_merged(corpus):
     sim = SimConfig(peers=3, total_steps=3 * 20 * 5, join=("40",), eval_batches=2)
     result = simulate(SPEC, sim, corpus)
@@ -96,6 +98,7 @@ def test_learner_round_talks_to_an_exchange(corpus):
     assert torch.equal(a.replica.snapshot()[0], b.replica.snapshot()[0])
 
 
+@pytest.mark.slow  # three runs (26 s); the default suite keeps the bounds check below
 def test_timing_noise_is_seeded_and_changes_only_the_timing(corpus):
     """Staggered starts and jittered phases/latency: replicas still agree, the run is reproducible per
     timing seed, and another timing seed gives another (but equally complete) run."""

@@ -167,6 +167,7 @@ def run_swarm(corpus, adversary: Adversary, sim: SimConfig = SIM, spec: RunSpec 
     return swarm
 
 
+@pytest.mark.slow  # 38 s on 2 cores; the default suite's hole test is the one below (a skipped update merged late)
 def test_an_update_lost_with_its_sender_does_not_block_its_later_ones(corpus) -> None:  # noqa: ANN001
     """The lost-update trap (ARCHITECTURE.md "The network" (repair)): peer 3's seq 2 reached nobody and peer 3
     died after publishing seq 3."""
@@ -193,6 +194,8 @@ def test_a_skipped_update_that_turns_up_is_merged_late_everywhere(corpus) -> Non
     assert swarm.repairs >= 1
 
 
+@pytest.mark.slow  # a swarm run (33 s); the default suite checks the norm bound's ban on a replica
+# (tests/sync/test_replica.py::test_norm_bound_rejects_and_bans_after_the_finiteness_check)
 def test_a_scaled_up_poisoner_is_banned_by_the_default_norm_bound(corpus) -> None:  # noqa: ANN001
     swarm = run_swarm(corpus, Adversary(3, Hostility.SCALE, factor=100.0))
     poisoner = swarm.peers[3].learner.peer_id

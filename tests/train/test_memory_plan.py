@@ -144,6 +144,7 @@ def test_parse_size() -> None:
         parse_size("lots")
 
 
+@pytest.mark.slow  # 13 s of searching; the plan's table and the join's refusal stay in the default suite
 def test_largest_llama_grows_with_the_memory() -> None:
     assert LLAMA_SIZES == tuple(LLAMA_FAMILY)  # `plan --llama` lists them without importing torch
     template = UnitSetup(dataclasses.replace(LLAMA, block_size=1024), batch_size=8, precision="bf16", micro_batch=1,

@@ -148,6 +148,7 @@ def run_in_pty(argv: list[str]) -> tuple[subprocess.Popen, int]:
     return proc, main
 
 
+@pytest.mark.slow  # a pty and a second `status` (23 s); the default suite keeps the page, the metrics and the snapshot
 def test_status_watch_in_a_terminal_shows_the_peers_and_leaves_cleanly_on_ctrl_c(swarm) -> None:
     shorts = [peer_id_of(p)[-8:].encode() for p in swarm["peers"]]
     proc, fd = run_in_pty(cli("status", "--watch", "--bootstrap", swarm["bootstrap"], "--interval-s", "0.5",
