@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers.swarm import Launcher, cli, founder_key, max_relative_difference
+from tests.helpers.swarm import PACED, Launcher, cli, founder_key, max_relative_difference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,7 +23,14 @@ def test_founders_relay_a_volunteer_and_the_replicas_end_equal(tmp_path) -> None
     sponsors = ("--spec.defence.sponsors", f"{a},{b}")
     with Launcher(tmp_path) as launcher:
         _, bootstrap = launcher.bootstrap()
-        peers = [launcher.peer(name, bootstrap, *sponsors, rounds=5, linger_s=60) for name in ("A", "B", "V")]
+        # The founders train until V has made its 5 rounds (it was 5 rounds each: under load V started so late that
+        # both founders had ended before any of its proposals came, and none was relayed), then end their round
+        founders = [launcher.peer(name, bootstrap, *sponsors, *PACED, rounds=0, linger_s=60) for name in ("A", "B")]
+        volunteer = launcher.peer("V", bootstrap, *sponsors, rounds=5, linger_s=60)
+        peers = [*founders, volunteer]
+        volunteer.wait_rounds(5, START_S + 120)
+        for proc in founders:
+            proc.finish()
         for proc in peers:
             assert proc.wait(START_S + 120) == 0, proc.tail()
         finals = {proc.name: proc.events("final")[0] for proc in peers}

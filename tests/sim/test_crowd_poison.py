@@ -1,4 +1,4 @@
-"""Issue 16's poisoning test, the fast representative (benchmarks/bench_crowd_poison.py has the table): 10 fresh
+"""Issue 16's poisoning test, with the slow ones (benchmarks/bench_crowd_poison.py has the table): 10 fresh
 identities re-sign sign-flipped or x5 copies of an honest peer's updates at the full weight, against 3 honest
 peers. The honest replicas must lose at most 5% eval loss against the clean run, stay equal, and end with
 every sign-flipped copy at weight 0 (refused, taken back when it beat its original, or tied with an original on
@@ -44,7 +44,7 @@ def test_ten_poisoning_identities_cost_the_honest_replicas_at_most_five_percent(
         assert scalers <= set(replica.banned), "an x5 identity was not banned somewhere"
 
 
-@pytest.mark.slow  # 16 s; the test above is the default suite's representative
+@pytest.mark.slow  # 16 s
 def test_a_crowd_that_comes_late_is_refused_and_distrusted_everywhere() -> None:
     """The crowd starts once peer 0 is in good standing (from its 5th update): each copy loses its pair (taken
     back where it beat its original), and every sign-flipping identity ends distrusted on every replica."""
