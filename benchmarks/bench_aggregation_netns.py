@@ -3,12 +3,15 @@ tbf), full dissemination against the aggregation tree (`--gossip.aggregate`), si
 
     sudo .venv/bin/python benchmarks/bench_aggregation_netns.py --cap-mbit 20 --rounds 30 \
         --out benchmarks/results/aggregation_netns
+    # rounds of ~20 s at a tenth of the CPU (closer to real rounds of minutes, where the tree's delay is small):
+    sudo .venv/bin/python benchmarks/bench_aggregation_netns.py --rounds 15 --inner-steps 40 --duty-cycle 0.1 ...
+    # tree arms only, one per hold-back (--gossip.aggregate-settle-s):  --no-full --settle-s 0 10
 
 The topology is tests/helpers/netns.py's NatTopology (a public bootstrap, which relays to the NATed peers); every
-peer runs the plain `join --bootstrap ADDR`, `test` preset, H=20, the copy rule off, for --rounds rounds. Per arm,
-from the peers' JSON logs: bytes sent and received per peer per round (round 2 to the last), eval loss (mean),
-replica divergence (max ||theta_i - mean|| / ||mean||), and the tree's counters summed over peers. Needs root, `ip`,
-`iptables`, `tc`; namespaces and processes are always cleaned up.
+peer runs the plain `join --bootstrap ADDR`, `test` preset, H=20 (--inner-steps), the copy rule off, for --rounds
+rounds. Per arm, from the peers' JSON logs: bytes sent and received per peer per round (round 2 to the last), eval
+loss (mean), replica divergence (max ||theta_i - mean|| / ||mean||), the median round time, and the tree's counters
+summed over peers. Needs root, `ip`, `iptables`, `tc`; namespaces and processes are always cleaned up.
 """
 
 from __future__ import annotations
@@ -29,24 +32,29 @@ from tests.helpers.netns import NatTopology, nat_unavailable  # noqa: E402
 from tests.helpers.swarm import Launcher, wait_until  # noqa: E402
 
 PEERS = {"a": "nat", "b": "nat", **{f"p{i}": "public" for i in range(6)}}
-ARGS = ("--preset", "test", "--inner-steps", "20", "--torch-threads", "1", "--eval-every", "0",
-        "--record-ttl-s", "12", "--spec.defence.copy-cosine", "0")
+ARGS = ("--preset", "test", "--torch-threads", "1", "--eval-every", "0", "--record-ttl-s", "12",
+        "--spec.defence.copy-cosine", "0")
 
 
-def run_arm(workdir: Path, cap_mbit: float, rounds: int, fan_in: int) -> dict:
+def run_arm(workdir: Path, cap_mbit: float, rounds: int, fan_in: int, settle_s: float | None = None,
+            inner_steps: int = 20, duty_cycle: float = 1.0) -> dict:
     import torch
 
+    base = (*ARGS, "--inner-steps", str(inner_steps), "--training.duty-cycle", str(duty_cycle))
     members = {"boot": "public", **PEERS}
     tree = ("--gossip.aggregate", str(fan_in), "--gossip.aggregate-epoch-s", "10") if fan_in else ()
+    if fan_in and settle_s is not None:
+        tree = (*tree, "--gossip.aggregate-settle-s", str(settle_s))
     with NatTopology(members, {m: cap_mbit for m in PEERS}) as topo, Launcher(workdir) as launcher:
         boot, _ = launcher.bootstrap(host="0.0.0.0", prefix=topo.prefix("boot"))
         prefix = f"/ip4/{topo.host('boot')}/"
         address = wait_until(lambda: next((line for line in boot.output().splitlines() if line.startswith(prefix)),
                                           None), 30, "the bootstrap's public address", procs=[boot])
-        procs = {name: launcher.peer(name, address, *tree, rounds=rounds, linger_s=120, base=ARGS,
+        procs = {name: launcher.peer(name, address, *tree, rounds=rounds, linger_s=120, base=base,
                                      prefix=topo.prefix(name)) for name in PEERS}
-        wait_until(lambda: all(p.returncode is not None for p in procs.values()), 60 * rounds,
-                   "every peer to finish", procs=list(procs.values()))
+        deadline = time.monotonic() + 60 * rounds
+        for proc in procs.values():  # each exits 0 once the swarm is quiet (wait_until's procs= calls that a failure)
+            proc.wait(max(1.0, deadline - time.monotonic()))
         sent, received, losses, thetas = [], [], [], []
         counters: Counter[str] = Counter()
         for name, proc in procs.items():
@@ -60,7 +68,9 @@ def run_arm(workdir: Path, cap_mbit: float, rounds: int, fan_in: int) -> dict:
             counters.update(final.get("tree", {}))
             thetas.append(torch.load(workdir / f"{name}-state" / "theta.pt"))
     mean = torch.stack(thetas).mean(0)
-    return {"mode": f"tree{fan_in}" if fan_in else "full", "cap_mbit": cap_mbit, "rounds": rounds,
+    round_s = statistics.median(r["round_s"] for proc in procs.values() for r in proc.rounds()[1:])
+    return {"mode": f"tree{fan_in}" if fan_in else "full", "settle_s": settle_s, "cap_mbit": cap_mbit, "rounds": rounds,
+            "inner_steps": inner_steps, "duty_cycle": duty_cycle, "round_s": round_s,
             "sent_median": statistics.median(sent), "sent_max": max(sent),
             "received_median": statistics.median(received), "received_max": max(received),
             "eval_loss": statistics.fmean(losses),
@@ -72,6 +82,12 @@ def main() -> int:
     ap.add_argument("--cap-mbit", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--fan-in", type=int, default=4)
+    ap.add_argument("--settle-s", type=float, nargs="+", default=[None],
+                    help="tree arms, one per --gossip.aggregate-settle-s (default: the setting's default)")
+    ap.add_argument("--no-full", action="store_true", help="tree arms only")
+    ap.add_argument("--inner-steps", type=int, default=20)
+    ap.add_argument("--duty-cycle", type=float, default=1.0,
+                    help="each peer computes this share of the time (longer rounds at the same CPU: train/pace.py)")
     ap.add_argument("--out", default="benchmarks/results/aggregation_netns")
     args = ap.parse_args()
     if reason := nat_unavailable():
@@ -81,8 +97,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"# {time.strftime('%Y-%m-%d')} `{' '.join(sys.argv)}`", flush=True)
     rows = []
-    for fan_in in (0, args.fan_in):
-        rows.append(run_arm(Path(tempfile.mkdtemp(prefix="agg-netns-")), args.cap_mbit, args.rounds, fan_in))
+    arms = [] if args.no_full else [(0, None)]
+    for fan_in, settle_s in [*arms, *((args.fan_in, s) for s in args.settle_s)]:
+        rows.append(run_arm(Path(tempfile.mkdtemp(prefix="agg-netns-")), args.cap_mbit, args.rounds, fan_in,
+                            settle_s, args.inner_steps, args.duty_cycle))
         print(json.dumps(rows[-1]), flush=True)
         (out / "side_by_side.json").write_text(json.dumps(rows, indent=1))
     return 0

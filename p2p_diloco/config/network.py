@@ -95,12 +95,19 @@ class GossipConfig:
     aggregate_fallback_s: float = 30.0
     """An author whose update is in no total it merged this long after publishing announces it as in full
     dissemination (a dead or lying aggregator costs this much delay, not the update)."""
+    aggregate_settle_s: float = 10.0
+    """With a tree, our own update is not served to pulls for this long after it went up the tree (capped at
+    `aggregate_fallback_s`, when we announce it anyway): the tree's head start. Without it, anti-entropy fetched
+    nearly every update whole before its total came (on loopback, 5032 of 5627 totals found every part held).
+    An update we announce (no tree yet, or a fallback) is served at once. 0: never held back."""
 
     def validate(self) -> GossipConfig:
         if self.aggregate != 0 and self.aggregate < 2:
             raise ValueError(f"aggregate (the tree's fan-in) must be 0 or >= 2, got {self.aggregate}")
         if not (self.aggregate_epoch_s > 0 and self.aggregate_wait_s > 0 and self.aggregate_fallback_s > 0):
             raise ValueError("aggregate_epoch_s, aggregate_wait_s and aggregate_fallback_s must be > 0")
+        if not 0 <= self.aggregate_settle_s <= 600:
+            raise ValueError(f"aggregate_settle_s must be in [0, 600] seconds, got {self.aggregate_settle_s}")
         if self.fanout < 1 or self.pull_max_updates < 1 or self.max_concurrent_pulls < 1 \
                 or self.max_concurrent_serves < 1:
             raise ValueError("fanout, pull_max_updates, max_concurrent_pulls and max_concurrent_serves must be >= 1")

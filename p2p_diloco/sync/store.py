@@ -11,6 +11,10 @@ it: `unservable_for` names those, and the repair is `Replica.adopt` (ARCHITECTUR
 Bans: `ban(sender)` drops a banned sender's updates and refuses new ones, so they are never served again
 (`Intake.attach_store` wires it to `Replica.ban`). The banned set is bounded (`MAX_BANNED`).
 
+Held back: `hold_back(sender, seq, for_s)` keeps one update out of `missing_for` for that long (`release` ends
+it). An author whose update goes up an aggregation tree holds it back `GossipConfig.aggregate_settle_s`: the tree
+gets that long to bring it inside a total before a pull fetches the same bytes whole.
+
 Served as kept: an envelope is stored with its encoded bytes (`wire.envelope.retained`, which holds them once),
 so a pull serves them without encoding the update again.
 
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from p2p_diloco.sync.quorum import unservable_merges
 from p2p_diloco.sync.types import UpdateLike
@@ -36,10 +42,11 @@ MAX_BANNED = 100_000
 class UpdateStore:
     """Updates keyed by (sender, seq), at most `max_bytes` of them by their `nbytes`."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes
+        self.max_bytes, self.clock = max_bytes, clock
+        self._held_back: dict[tuple[str, int], float] = {}  # key -> until (clock); only keys still held
         # (sender, seq) -> (update, nbytes as counted at insertion); insertion order = eviction order
         self._by_key: OrderedDict[tuple[str, int], tuple[UpdateLike, int]] = OrderedDict()
         self._seqs: dict[str, list[int]] = {}  # sender -> sorted seqs held
@@ -96,6 +103,17 @@ class UpdateStore:
         with self._lock:
             return list(self._seqs)
 
+    def hold_back(self, sender: str, seq: int, for_s: float) -> None:
+        """Leave (sender, seq), if held, out of `missing_for` for `for_s` seconds."""
+        with self._lock:
+            if (sender, seq) in self._by_key and for_s > 0:
+                self._held_back[(sender, seq)] = self.clock() + for_s
+
+    def release(self, sender: str, seq: int) -> None:
+        """Serve (sender, seq) again at once (an author that falls back announces it)."""
+        with self._lock:
+            self._held_back.pop((sender, seq), None)
+
     def missing_for(self, remote: VersionVector, limit: int) -> list[UpdateLike]:
         """Updates we hold that `remote` has not merged (seq above its entry, or one of its holes), at most
         `limit`, in seq order per sender.
@@ -109,9 +127,15 @@ class UpdateStore:
         with self._lock:
             queues: list[list[int]] = []
             senders: list[str] = []
+            now = self.clock()
+            for key in [k for k, until in self._held_back.items() if until <= now]:
+                del self._held_back[key]
             for sender in sorted(self._seqs):
                 seqs = self._seqs[sender]
-                holes = sorted(q for q in remote.holes(sender) if (sender, q) in self._by_key)
+                if self._held_back:
+                    seqs = [q for q in seqs if (sender, q) not in self._held_back]
+                holes = sorted(q for q in remote.holes(sender)
+                               if (sender, q) in self._by_key and (sender, q) not in self._held_back)
                 start = bisect.bisect_right(seqs, remote.get(sender))
                 queue = (holes + seqs[start:start + limit])[:limit]  # holes are below the entry: still ascending
                 if queue:
@@ -156,6 +180,7 @@ class UpdateStore:
 
     def _remove(self, key: tuple[str, int]) -> None:
         _, size = self._by_key.pop(key)
+        self._held_back.pop(key, None)
         self._nbytes -= size
         seqs = self._seqs[key[0]]
         del seqs[bisect.bisect_left(seqs, key[1])]

@@ -184,6 +184,30 @@ def test_anti_entropy_reaches_a_peer_nobody_announces_to(loop, members) -> None:
         assert c.gossip.stats["announces_received"] == 0
 
 
+def test_an_update_held_back_reaches_a_puller_only_once_its_hold_is_up(loop, members) -> None:
+    """What an author does with the update it sends up an aggregation tree (net/gossip/tree.py): it holds it back
+    from pulls `aggregate_settle_s`, so the tree can bring it in a total first. Here no tree brings it: B, pulling
+    all along (anti-entropy), gets it no sooner than the hold's end, and merges it like any other."""
+    hold_s = 3.0
+    config = GossipConfig(anti_entropy_s=0.2, rpc_timeout_s=5)
+    with gossiping(loop, members[:2], config) as (a, b):
+        a.view[:] = []  # no announce: only B's anti-entropy asks
+        update = _updates(a.identity, 1, seed=14)[0]
+
+        async def hold() -> None:  # the store belongs to the loop: touch it there
+            a.store.add(update)
+            a.store.hold_back(update.sender, update.seq, hold_s)
+
+        held_at = time.monotonic()
+        loop.run(hold())
+        pulls = b.gossip.stats["pulls"]
+        wait_until(lambda: b.vv.get(a.node.peer_id) == 1 and b.replica.stats["merged"] == 1, 30,
+                   "B to pull A's update once its hold is up")  # V moves just before the count: wait on both
+        assert time.monotonic() - held_at >= hold_s
+        assert b.gossip.stats["pulls"] >= pulls + 3  # B did ask meanwhile: the hold kept the update back
+        assert_replicas_match_reference([b], [update])
+
+
 def test_request_pull_catches_up_at_once(loop, members) -> None:
     """What a joiner does right after state sync: pull from the donor without waiting for anti-entropy."""
     config = GossipConfig(fanout=3, anti_entropy_s=QUIET, rpc_timeout_s=5)
@@ -332,6 +356,8 @@ def test_request_codec_round_trip_and_bounds() -> None:
             decode_request(bad, pull=pull)
     with pytest.raises(ValueError):
         GossipConfig(fanout=0).validate()
+    with pytest.raises(ValueError, match="aggregate_settle_s"):
+        GossipConfig(aggregate=4, aggregate_settle_s=601.0).validate()
 
 
 # ---------------------------------------------------------------------------------------------- hostile peers

@@ -201,7 +201,9 @@ class Puller:
                         self._dry[peer] = remote
                         while len(self._dry) > MAX_WANTED_PEERS:
                             self._dry.popitem(last=False)
-                        if claimed:  # it said it held what we lack, and brought none of it
+                        # it said it held what we lack, and brought none of it (with a tree its author holds
+                        # it back a while, or the remote merged it in a total: not a failure then)
+                        if claimed and not self.config.aggregate:
                             self._record_failure(peer, "empty")
                         break
                     self.slots.succeeded(peer)

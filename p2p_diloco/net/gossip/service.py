@@ -39,7 +39,8 @@ authenticated by libp2p and never read from a payload.
 
   tree, audit   with `aggregate` > 0: the aggregation tree's RPCs (net/gossip/tree.py, net/gossip/tree_audits.py);
                 our own updates go up the tree instead of being announced (announced after `aggregate_fallback_s`
-                if no total we merged holds them)
+                if no total we merged holds them), and are not served to pulls for `aggregate_settle_s` (the
+                tree's head start: a pull that races it fetches the same update whole a second time)
 
 Rules:
   - Every received update goes through `Intake.receive` (size, signature, digest, layout, then the replica's
@@ -171,6 +172,7 @@ class Gossip:
         self.tree = TreeGossip(node, run_id, intake.spec.spec_hash(), intake, store, identity,
                                fan_in=self.config.aggregate, epoch_s=self.config.aggregate_epoch_s,
                                wait_s=self.config.aggregate_wait_s, fallback_s=self.config.aggregate_fallback_s,
+                               settle_s=self.config.aggregate_settle_s,
                                timeout_s=self.config.rpc_timeout_s, members=tree_members or dict,
                                announce=self._announcer.announce, stats=self.stats, guard=guard, since=since) \
             if self.config.aggregate and identity is not None else None

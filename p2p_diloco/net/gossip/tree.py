@@ -18,7 +18,8 @@ so a disagreement costs bytes and a fallback, not updates.
 
 An author whose update is in no total it merged `aggregate_fallback_s` after publishing announces it as full
 dissemination does (the gossip's announce): a dead, slow or lying aggregator costs that delay. Pulls and
-anti-entropy run as before and fetch whatever the tree missed.
+anti-entropy run as before and fetch whatever the tree missed, but our update is held back from them
+`aggregate_settle_s` first (`UpdateStore.hold_back`): a pull that races the tree fetches it whole a second time.
 
     tree    "p2p-diloco/<run_id>/tree"
         request  = msgpack {"k": "u" | "s" | "t", "e": epoch, "b": bytes}: our own update (encode_update) sent
@@ -72,7 +73,7 @@ class TreeGossip:
     def __init__(self, node: SwarmNode, run_id: str, spec_hash: str, intake: Intake, store: UpdateStore,
                  identity: Identity, *, fan_in: int, epoch_s: float, wait_s: float, fallback_s: float,
                  timeout_s: float, members: Callable[[], Mapping[str, float]], announce: Callable[[], None],
-                 stats: dict[str, int], guard: PeerGuard | None = None,
+                 stats: dict[str, int], guard: PeerGuard | None = None, settle_s: float = 0.0,
                  clock: Callable[[], float] = time.time, since: float | None = None) -> None:
         """`members()`: the live peers whose record names our fan-in (not us), each with the wall-clock time it
         started aggregating (its record's); `since`, ours (our record's); `announce()` the gossip's."""
@@ -80,6 +81,7 @@ class TreeGossip:
         self.identity, self.fan_in, self.epoch_s, self.wait_s = identity, fan_in, epoch_s, wait_s
         self.fallback_s, self.timeout_s, self.members, self.announce = fallback_s, timeout_s, members, announce
         self.guard, self.clock, self.stats = guard, clock, stats
+        self.settle_s = min(settle_s, fallback_s)  # pulls do not get our update sooner (UpdateStore.hold_back)
         self.since = clock() if since is None else since
         self.me, self.numel = node.peer_id, intake.numel
         self.name = f"p2p-diloco/{run_id}/tree"
@@ -163,6 +165,7 @@ class TreeGossip:
             if self._sends.send(parent, request, "tree-update") is not None:
                 self.stats["tree_updates_sent"] += 1
                 self._pass([(update.sender, update.seq)])
+        self.store.hold_back(update.sender, update.seq, self.settle_s)  # the tree's head start over pulls
         loop = asyncio.get_running_loop()
         self._fallbacks = [h for h in self._fallbacks if h.when() > loop.time()]  # those still to come
         self._fallbacks.append(loop.call_later(self.fallback_s, self._fallback, update.seq))
@@ -172,6 +175,7 @@ class TreeGossip:
         if self.delivered < seq:
             self.stats["tree_fallbacks"] += 1
             logger.info("our update seq=%d is in no total after %gs: announcing it", seq, self.fallback_s)
+            self.store.release(self.me, seq)
             self.announce()
 
     # ---- receiving ---------------------------------------------------------------------------------------
