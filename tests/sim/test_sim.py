@@ -48,7 +48,7 @@ def test_joiner_syncs_and_its_updates_are_merged(corpus):
     assert result.divergence < 1e-5
 
 
-@pytest.mark.parametrize("method", ["sync", "dp"])
+@pytest.mark.parametrize("method", ["sync", pytest.param("dp", marks=pytest.mark.slow)])  # dp: with the slow ones
 def test_baselines_train_on_the_same_budget(corpus, method):
     sim = SimConfig(peers=2, method=method, total_steps=2 * 20 * 3, eval_batches=2)
     result = simulate(SPEC, sim, corpus)
@@ -142,6 +142,7 @@ def test_iid_units_draw_their_own_streams_from_the_whole_split(corpus):
         assert on_iid.eval_loss != on_shards.eval_loss and on_iid.curve[0].loss - on_iid.eval_loss > 0.3
 
 
+@pytest.mark.slow  # 20 s on 2 cores; the round view is tested on replicas in tests/sync/test_round_view.py
 def test_the_round_view_leaves_out_the_round_under_way(corpus):
     """A unit at half speed: under the swarm's token budget the fast one makes 4 phases, the slow one 2. The round
     view (sync/round_view.py) is the model without the fast unit's last 2 updates; with a complete round it is the

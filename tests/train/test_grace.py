@@ -149,6 +149,7 @@ def test_in_the_simulator_units_wait_until_the_round_lands_or_the_window_ends(co
 
 
 @pytest.mark.corpus_mb(1.0)
+@pytest.mark.slow  # 11 s; the simulated grace window above stays in the default suite
 def test_in_a_simulated_run_with_sponsors_the_proposer_never_waits(corpus) -> None:
     # 2 sponsors and a volunteer, latency 30% of a phase: the sponsors wait after every round but the last (for
     # each other), the volunteer's update merges at weight 0 everywhere, so nobody waits for it and it waits for
