@@ -23,13 +23,18 @@ def test_founders_relay_a_volunteer_and_the_replicas_end_equal(tmp_path) -> None
     sponsors = ("--spec.defence.sponsors", f"{a},{b}")
     with Launcher(tmp_path) as launcher:
         _, bootstrap = launcher.bootstrap()
-        # The founders train until V has made its 5 rounds (it was 5 rounds each: under load V started so late that
-        # both founders had ended before any of its proposals came, and none was relayed), then end their round
+        # A relay needs a founder to end rounds after V's proposals came. With 5 rounds each, under load V once
+        # started so late that both founders had ended first, and once so early that it made its 5 rounds before
+        # the founders' first: nothing relayed either time. So the founders train from before V starts until they
+        # have ended 2 rounds after V's last, then end.
         founders = [launcher.peer(name, bootstrap, *sponsors, *PACED, rounds=0, linger_s=60) for name in ("A", "B")]
+        for proc in founders:
+            proc.wait_rounds(1, START_S)
         volunteer = launcher.peer("V", bootstrap, *sponsors, rounds=5, linger_s=60)
         peers = [*founders, volunteer]
         volunteer.wait_rounds(5, START_S + 120)
         for proc in founders:
+            proc.wait_rounds(len(proc.rounds()) + 2, 120)
             proc.finish()
         for proc in peers:
             assert proc.wait(START_S + 120) == 0, proc.tail()

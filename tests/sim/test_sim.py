@@ -15,6 +15,7 @@ SPEC = dataclasses.replace(SPEC, data=dataclasses.replace(SPEC.data, max_corpus_
 pytestmark = pytest.mark.corpus_mb(1.0)  # the conftest's `corpus`: 1 MB of the stdlib
 
 
+@pytest.mark.slow  # 17-34 s; the default suite runs the simulator through its command (tests/cli/test_cli.py)
 def test_four_peers_lower_eval_loss_and_agree_when_quiet(corpus):
     sim = SimConfig(peers=4, total_steps=4 * 20 * 4, speeds=("1", "1", "0.7", "1.3"), loss=0.2, eval_batches=4)
     result = simulate(SPEC, sim, corpus)
@@ -48,7 +49,8 @@ def test_joiner_syncs_and_its_updates_are_merged(corpus):
     assert result.divergence < 1e-5
 
 
-@pytest.mark.parametrize("method", ["sync", pytest.param("dp", marks=pytest.mark.slow)])  # dp: with the slow ones
+@pytest.mark.slow  # 15-19 s; the default suite compares async with sync DiLoCo (tests/sim/test_async_outer_step.py)
+@pytest.mark.parametrize("method", ["sync", "dp"])
 def test_baselines_train_on_the_same_budget(corpus, method):
     sim = SimConfig(peers=2, method=method, total_steps=2 * 20 * 3, eval_batches=2)
     result = simulate(SPEC, sim, corpus)

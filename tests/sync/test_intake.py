@@ -181,6 +181,8 @@ def test_an_update_lost_with_its_sender_does_not_block_its_later_ones(corpus) ->
     assert swarm.summary["divergence"] < 1e-6 and not swarm.summary["banned"]
 
 
+@pytest.mark.slow  # a swarm run (33-46 s on 2 cores); the default suite skips a gap and fills it late on a replica
+# (tests/sync/test_replica.py::test_a_gap_is_skipped_after_the_timeout_and_filled_late)
 def test_a_skipped_update_that_turns_up_is_merged_late_everywhere(corpus) -> None:  # noqa: ANN001
     """Peer 3 withholds its seq 2 (others skip it at 90 s), then sends it at 150 s. Meanwhile peer 3, which merged
     it but holds it nowhere, sees the others skipped it: it adopts their state (the repair), and later merges its

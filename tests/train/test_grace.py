@@ -124,6 +124,7 @@ SIM_SPEC = dataclasses.replace(preset("test"), data=dataclasses.replace(preset("
 
 
 @pytest.mark.corpus_mb(1.0)
+@pytest.mark.slow  # 25 s on 2 cores; the default suite has a real peer's grace window (tests/peer/test_swarm.py)
 def test_in_the_simulator_units_wait_until_the_round_lands_or_the_window_ends(corpus) -> None:
     # Latency is 30% of a phase (1 s): without a window each phase begins before the others' round has landed.
     # Unit 1 dies in its third phase: the others wait for its third update once, for the whole window, and then
@@ -149,7 +150,7 @@ def test_in_the_simulator_units_wait_until_the_round_lands_or_the_window_ends(co
 
 
 @pytest.mark.corpus_mb(1.0)
-@pytest.mark.slow  # 11 s; the simulated grace window above stays in the default suite
+@pytest.mark.slow  # 11 s; the default suite has a real peer's grace window (tests/peer/test_swarm.py)
 def test_in_a_simulated_run_with_sponsors_the_proposer_never_waits(corpus) -> None:
     # 2 sponsors and a volunteer, latency 30% of a phase: the sponsors wait after every round but the last (for
     # each other), the volunteer's update merges at weight 0 everywhere, so nobody waits for it and it waits for

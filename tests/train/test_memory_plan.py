@@ -154,6 +154,7 @@ def test_largest_llama_grows_with_the_memory() -> None:
     assert "70B" not in fits[80]  # 70B x 12 B/parameter of outer state alone is past a 64 GB host
 
 
+@pytest.mark.slow  # 23 s (three commands); the default suite keeps the plan's arithmetic and the join's refusal
 def test_plan_command_prints_the_table_and_exits_by_the_verdict() -> None:
     ok = _cli("plan", "--preset", "tiny", "--host-memory", "64GB")
     assert ok.returncode == 0, ok.stderr
