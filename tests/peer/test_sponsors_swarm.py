@@ -18,6 +18,8 @@ START_S = 120
 
 
 
+@pytest.mark.slow  # 3 processes for 30-45 s; the default suite keeps the relay's rules (tests/sync/test_sponsorship.py)
+# and the founders' flags (the test below)
 def test_founders_relay_a_volunteer_and_the_replicas_end_equal(tmp_path) -> None:
     a, b = founder_key(tmp_path, "A"), founder_key(tmp_path, "B")
     sponsors = ("--spec.defence.sponsors", f"{a},{b}")

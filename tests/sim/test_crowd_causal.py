@@ -37,6 +37,7 @@ def _arrivals(causal: bool) -> tuple[list[float], int]:
     return delays, beaten
 
 
+@pytest.mark.slow  # 13-21 s; the default suite's simulated crowd: tests/sim/test_crowd_attacks.py
 def test_a_causal_crowds_copies_arrive_two_hops_after_the_original_left() -> None:
     causal, causal_beaten = _arrivals(True)
     instant, instant_beaten = _arrivals(False)

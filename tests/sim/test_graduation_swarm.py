@@ -25,8 +25,8 @@ def _spec():  # noqa: ANN202
                                defence=DefenceConfig())
 
 
-@pytest.mark.slow  # 47 s on 2 cores; the default suite keeps the relay (tests/sync/test_sponsorship.py) and founders
-# relaying a volunteer with real processes (tests/peer/test_sponsors_swarm.py)
+@pytest.mark.slow  # 47 s on 2 cores; the default suite keeps the relay and graduation's rules
+# (tests/sync/test_sponsorship.py, tests/sync/test_fitness.py)
 def test_a_late_volunteer_copied_by_a_crowd_is_relayed_as_a_member_from_its_fourth_update() -> None:
     # No timing noise and no grace window: the phase offsets are fixed. The crowd is the strongest a network allows
     # (`adjacent`: it holds each update as soon as its payload could first have crossed the volunteer's uplink, and
@@ -106,8 +106,8 @@ def negated() -> dict:
     return _hostile()[1]
 
 
-@pytest.mark.slow  # two runs of 6 peers (30 s of CPU); the default suite keeps graduation's representatives (the
-# relay's rules, tests/sync/test_sponsorship.py) and founders relaying a volunteer (tests/peer/test_sponsors_swarm.py)
+@pytest.mark.slow  # two runs of 6 peers (30 s of CPU); the default suite keeps graduation's rules
+# (tests/sync/test_sponsorship.py, tests/sync/test_fitness.py)
 def test_sleepers_graduate_and_then_strike_and_none_of_their_strikes_gets_in(negated: dict) -> None:
     sleepers, slept = _hostile(sleeper=RECORD)
     assert slept["finite"] and slept["divergence"] < 1e-6

@@ -59,6 +59,7 @@ def test_baselines_train_on_the_same_budget(corpus, method):
     assert result.divergence < 1e-5
 
 
+@pytest.mark.slow  # 8-39 s; the default suite keeps async against sync (tests/sim/test_async_outer_step.py)
 def test_slow_peer_makes_sync_wait_but_not_async(corpus):
     # (no grace window: it would have the fast unit wait once, after its first round, for the slow one's update)
     base = SimConfig(peers=2, total_steps=2 * 20 * 2, speeds=("1", "0.25"), eval_batches=1, grace=0.0)
@@ -123,6 +124,7 @@ def test_timing_noise_bounds_are_checked():
             SimConfig(**bad).validate()
 
 
+@pytest.mark.slow  # 17-28 s; the default suite checks the streams on their own (tests/train/test_data.py)
 def test_iid_units_draw_their_own_streams_from_the_whole_split(corpus):
     """`SimConfig.iid` (the default): every unit samples the whole training split, as a real peer's units do, each in
     a stream of its own; with iid=False each unit has a file shard."""

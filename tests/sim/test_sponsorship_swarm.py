@@ -28,8 +28,8 @@ def _run(crowd: int, steps: int = 240) -> tuple[CrowdSwarm, dict]:
     return swarm, swarm.honest_summary(swarm.run())
 
 
-@pytest.mark.slow  # 30-43 s on 2 cores; the default suite keeps founders relaying a volunteer with real processes
-# (tests/peer/test_sponsors_swarm.py) and the relay's rules (tests/sync/test_sponsorship.py)
+@pytest.mark.slow  # 30-43 s on 2 cores; the default suite keeps the relay's rules (tests/sync/test_sponsorship.py) and
+# the crowd's attacks in a simulated swarm (tests/sim/test_crowd_attacks.py)
 def test_a_crowd_against_a_run_with_founders_gets_nothing_and_a_volunteer_is_relayed() -> None:
     _, clean = _run(0)
     swarm, attacked = _run(10)

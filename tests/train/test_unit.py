@@ -59,6 +59,8 @@ def _assert_same_updates(solo: dict[str, torch.Tensor], unit: dict[str, torch.Te
     assert torch.allclose(solo["eval"], unit["eval"], rtol=1e-5, atol=0), (float(solo["eval"]), float(unit["eval"]))
 
 
+@pytest.mark.slow  # 15 s of torchrun; the default suite keeps the two-process unit above and FSDP's plan
+# (tests/train/test_memory_plan.py)
 def test_fsdp_unit_signs_the_one_process_update(tmp_path):
     """2 ranks, each holding half of every parameter (the tied embedding and head too), its gradient and AdamW state.
     Restored from its own checkpoint state after round 0, the unit goes on with a fresh AdamW state on every rank (it

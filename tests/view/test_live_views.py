@@ -47,6 +47,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
         yield {"boot": boot, "bootstrap": bootstrap, "peers": peers, "workdir": workdir}
 
 
+@pytest.mark.slow  # this module's swarm of processes costs 40 s on 2 cores; the default suite keeps the views
+# in-process: tests/view/test_metrics.py, test_web.py, test_web_browser.py, test_snapshot.py
 def test_metrics_match_the_peers_own_counters(swarm) -> None:
     a = swarm["peers"][0]
     url = page_of(a) + "metrics"
@@ -70,6 +72,7 @@ def test_metrics_match_the_peers_own_counters(swarm) -> None:
     assert samples["p2p_diloco_peers_known"] == before["peers"] == 2
 
 
+@pytest.mark.slow  # the swarm above
 def test_the_bootstrap_page_lists_both_peers(swarm) -> None:
     url = page_of(swarm["boot"])
     ids = {peer_id_of(p) for p in swarm["peers"]}
@@ -88,6 +91,7 @@ def test_the_bootstrap_page_lists_both_peers(swarm) -> None:
     assert refused.value.code == 405
 
 
+@pytest.mark.slow  # the swarm above
 def test_the_page_in_headless_chromium_shows_the_live_swarm(swarm) -> None:
     from p2p_diloco.view.browser import headless_chromium
 
@@ -148,7 +152,7 @@ def run_in_pty(argv: list[str]) -> tuple[subprocess.Popen, int]:
     return proc, main
 
 
-@pytest.mark.slow  # a pty and a second `status` (23 s); the default suite keeps the page, the metrics and the snapshot
+@pytest.mark.slow  # a pty and a second `status` (23 s)
 def test_status_watch_in_a_terminal_shows_the_peers_and_leaves_cleanly_on_ctrl_c(swarm) -> None:
     shorts = [peer_id_of(p)[-8:].encode() for p in swarm["peers"]]
     proc, fd = run_in_pty(cli("status", "--watch", "--bootstrap", swarm["bootstrap"], "--interval-s", "0.5",
