@@ -11,9 +11,10 @@ it: `unservable_for` names those, and the repair is `Replica.adopt` (ARCHITECTUR
 Bans: `ban(sender)` drops a banned sender's updates and refuses new ones, so they are never served again
 (`Intake.attach_store` wires it to `Replica.ban`). The banned set is bounded (`MAX_BANNED`).
 
-Held back: `hold_back(sender, seq, for_s)` keeps one update out of `missing_for` for that long (`release` ends
-it). An author whose update goes up an aggregation tree holds it back `GossipConfig.aggregate_settle_s`: the tree
-gets that long to bring it inside a total before a pull fetches the same bytes whole.
+Held back: `hold_back(sender, seq, for_s)` keeps one update out of what we serve (`missing_for(...,
+to_serve=True)`) for that long (`release` ends it); a repair or a resync re-merging what we hold still sees it.
+An author whose update goes up an aggregation tree holds it back `GossipConfig.aggregate_settle_s`: the tree gets
+that long to bring it inside a total before a pull fetches the same bytes whole.
 
 Served as kept: an envelope is stored with its encoded bytes (`wire.envelope.retained`, which holds them once),
 so a pull serves them without encoding the update again.
@@ -114,9 +115,9 @@ class UpdateStore:
         with self._lock:
             self._held_back.pop((sender, seq), None)
 
-    def missing_for(self, remote: VersionVector, limit: int) -> list[UpdateLike]:
+    def missing_for(self, remote: VersionVector, limit: int, *, to_serve: bool = False) -> list[UpdateLike]:
         """Updates we hold that `remote` has not merged (seq above its entry, or one of its holes), at most
-        `limit`, in seq order per sender.
+        `limit`, in seq order per sender; `to_serve` (a pull's answer): less those held back.
 
         Senders are interleaved round-robin (each sender's lowest missing seq first), so that a tight limit
         still moves every sender's gap forward instead of serving one sender only: the remote can merge only
@@ -130,12 +131,13 @@ class UpdateStore:
             now = self.clock()
             for key in [k for k, until in self._held_back.items() if until <= now]:
                 del self._held_back[key]
+            held_back = self._held_back if to_serve else {}
             for sender in sorted(self._seqs):
                 seqs = self._seqs[sender]
-                if self._held_back:
-                    seqs = [q for q in seqs if (sender, q) not in self._held_back]
+                if held_back:
+                    seqs = [q for q in seqs if (sender, q) not in held_back]
                 holes = sorted(q for q in remote.holes(sender)
-                               if (sender, q) in self._by_key and (sender, q) not in self._held_back)
+                               if (sender, q) in self._by_key and (sender, q) not in held_back)
                 start = bisect.bisect_right(seqs, remote.get(sender))
                 queue = (holes + seqs[start:start + limit])[:limit]  # holes are below the entry: still ascending
                 if queue:

@@ -152,7 +152,7 @@ def test_unservable_for_names_merged_updates_only_we_could_have_served() -> None
 
 def test_an_update_held_back_is_not_served_until_its_time_is_up_or_it_is_released() -> None:
     """An author whose update goes up an aggregation tree holds it back from pulls a while (the tree's head
-    start): left out of `missing_for` as a seq and as a hole, served again when the time is up or on `release`
+    start): left out of what it serves as a seq and as a hole, served again when the time is up or on `release`
     (a fallback announce); nothing else is held back, and an evicted update leaves no hold behind."""
     now = [100.0]
     store = UpdateStore(3, clock=lambda: now[0])
@@ -162,9 +162,10 @@ def test_an_update_held_back_is_not_served_until_its_time_is_up_or_it_is_release
     store.hold_back("z", 9, 10.0)  # not held: nothing to hold back
 
     def served(vv: VersionVector) -> list[tuple[str, int]]:
-        return [(u.sender, u.seq) for u in store.missing_for(vv, 10)]
+        return [(u.sender, u.seq) for u in store.missing_for(vv, 10, to_serve=True)]
 
     assert served(VersionVector()) == [("a", 1), ("b", 1)]
+    assert len(store.missing_for(VersionVector(), 10)) == 3  # a repair re-merging what we hold still sees it
     assert served(VersionVector({"a": 3, "b": 1}, holes={"a": [2]})) == []  # a hole waits like any seq
     now[0] = 110.0
     assert served(VersionVector()) == [("a", 1), ("b", 1), ("a", 2)]

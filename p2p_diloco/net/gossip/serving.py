@@ -126,7 +126,7 @@ class GossipServer:
         the store for 4x more each time, at most its whole content (the store is bounded)."""
         want = limit
         while limit > 0:
-            held = self.store.missing_for(remote, want)
+            held = self.store.missing_for(remote, want, to_serve=True)  # less what an author holds back
             out: list[UpdateLike] = []
             repeats = 0
             for update in (u for u in held if u.sender not in banned):
