@@ -14,6 +14,7 @@ from p2p_diloco.net.transport.framing import (
     DATA,
     END,
     ERROR,
+    HEADER,
     MAX_ERROR_BYTES,
     Pace,
     TooSlow,
@@ -71,13 +72,14 @@ async def _read_frames(reader: asyncio.StreamReader, peer_id: str, name: str, *,
     """Yield DATA payloads until END; raise RpcError subclasses on ERROR, oversize, timeout, slowness or
     disconnect."""
     where = f"'{name}' on peer {peer_id}"
-    total = 0
+    total, error_length = 0, None
     try:
         while True:
             kind, length = await read_header(reader, timeout_s, pace)
             if kind == END:
                 return
             if kind == ERROR:
+                error_length = length
                 message = (await read_payload(reader, min(length, MAX_ERROR_BYTES), timeout_s)).decode(
                     "utf-8", errors="replace")
                 raise RpcRemoteError(f"{where} failed: {message}", message)
@@ -93,7 +95,31 @@ async def _read_frames(reader: asyncio.StreamReader, peer_id: str, name: str, *,
     except asyncio.TimeoutError:
         raise RpcTimeoutError(f"{where} did not answer within {timeout_s:g}s") from None
     except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+        message = _refusal_before_reset(reader, error_length)
+        if message is not None:
+            raise RpcRemoteError(f"{where} failed: {message}", message) from None
         raise RpcConnectionError(f"{where}: stream closed before the response ended ({e!r})") from None
+
+
+def _refusal_before_reset(reader: asyncio.StreamReader, error_length: int | None) -> str | None:
+    """The server's ERROR message if it reached us whole just ahead of a reset, else None.
+
+    A server that refuses before reading the request (busy: net/transport/rpc_server.py) closes with the
+    request unread, and p2pd then resets the stream. The ERROR frame is already in our buffer, but StreamReader
+    raises the stored reset before handing buffered bytes out: without this, the caller sees "connection reset"
+    for a plain "busy" and cannot tell it may ask again (CI, 2026-12-03: 23 bytes buffered behind the reset).
+    `_buffer` is CPython's; another reader has none, and nothing is salvaged. `error_length` is the length of an
+    ERROR header already read, if any."""
+    data = bytes(getattr(reader, "_buffer", b""))
+    if error_length is None:
+        if len(data) < HEADER.size:
+            return None
+        kind, error_length = HEADER.unpack(data[:HEADER.size])
+        if kind != ERROR:
+            return None
+        data = data[HEADER.size:]
+    wanted = min(error_length, MAX_ERROR_BYTES)
+    return data[:wanted].decode("utf-8", errors="replace") if len(data) >= wanted else None
 
 
 async def call(p2p: P2P, peer_id: str, name: str, request: bytes, *, max_response_bytes: int,
