@@ -95,9 +95,9 @@ async def _read_frames(reader: asyncio.StreamReader, peer_id: str, name: str, *,
     except asyncio.TimeoutError:
         raise RpcTimeoutError(f"{where} did not answer within {timeout_s:g}s") from None
     except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-        message = _refusal_before_reset(reader, error_length)
-        if message is not None:
-            raise RpcRemoteError(f"{where} failed: {message}", message) from None
+        refusal = _refusal_before_reset(reader, error_length)
+        if refusal is not None:
+            raise RpcRemoteError(f"{where} failed: {refusal}", refusal) from None
         raise RpcConnectionError(f"{where}: stream closed before the response ended ({e!r})") from None
 
 
