@@ -6,6 +6,8 @@ tbf), full dissemination against the aggregation tree (`--gossip.aggregate`), si
     # rounds of ~20 s at a tenth of the CPU (closer to real rounds of minutes, where the tree's delay is small):
     sudo .venv/bin/python benchmarks/bench_aggregation_netns.py --rounds 15 --inner-steps 40 --duty-cycle 0.1 ...
     # tree arms only, one per hold-back (--gossip.aggregate-settle-s):  --no-full --settle-s 0 10
+    # a node's wait for its children (--gossip.aggregate-wait-s) near one round, so that a node sums each child's
+    # update of a round once rather than as each arrives:  --wait-s 1 3
 
 The topology is tests/helpers/netns.py's NatTopology (a public bootstrap, which relays to the NATed peers); every
 peer runs the plain `join --bootstrap ADDR`, `test` preset, H=20 (--inner-steps), the copy rule off, for --rounds
@@ -37,7 +39,7 @@ ARGS = ("--preset", "test", "--torch-threads", "1", "--eval-every", "0", "--reco
 
 
 def run_arm(workdir: Path, cap_mbit: float, rounds: int, fan_in: int, settle_s: float | None = None,
-            inner_steps: int = 20, duty_cycle: float = 1.0) -> dict:
+            inner_steps: int = 20, duty_cycle: float = 1.0, wait_s: float | None = None) -> dict:
     import torch
 
     base = (*ARGS, "--inner-steps", str(inner_steps), "--training.duty-cycle", str(duty_cycle))
@@ -45,6 +47,8 @@ def run_arm(workdir: Path, cap_mbit: float, rounds: int, fan_in: int, settle_s: 
     tree = ("--gossip.aggregate", str(fan_in), "--gossip.aggregate-epoch-s", "10") if fan_in else ()
     if fan_in and settle_s is not None:
         tree = (*tree, "--gossip.aggregate-settle-s", str(settle_s))
+    if fan_in and wait_s is not None:
+        tree = (*tree, "--gossip.aggregate-wait-s", str(wait_s))
     with NatTopology(members, {m: cap_mbit for m in PEERS}) as topo, Launcher(workdir) as launcher:
         boot, _ = launcher.bootstrap(host="0.0.0.0", prefix=topo.prefix("boot"))
         prefix = f"/ip4/{topo.host('boot')}/"
@@ -69,7 +73,8 @@ def run_arm(workdir: Path, cap_mbit: float, rounds: int, fan_in: int, settle_s: 
             thetas.append(torch.load(workdir / f"{name}-state" / "theta.pt"))
     mean = torch.stack(thetas).mean(0)
     round_s = statistics.median(r["round_s"] for proc in procs.values() for r in proc.rounds()[1:])
-    return {"mode": f"tree{fan_in}" if fan_in else "full", "settle_s": settle_s, "cap_mbit": cap_mbit, "rounds": rounds,
+    return {"mode": f"tree{fan_in}" if fan_in else "full", "settle_s": settle_s, "wait_s": wait_s,
+            "cap_mbit": cap_mbit, "rounds": rounds,
             "inner_steps": inner_steps, "duty_cycle": duty_cycle, "round_s": round_s,
             "sent_median": statistics.median(sent), "sent_max": max(sent),
             "received_median": statistics.median(received), "received_max": max(received),
@@ -84,6 +89,8 @@ def main() -> int:
     ap.add_argument("--fan-in", type=int, default=4)
     ap.add_argument("--settle-s", type=float, nargs="+", default=[None],
                     help="tree arms, one per --gossip.aggregate-settle-s (default: the setting's default)")
+    ap.add_argument("--wait-s", type=float, nargs="+", default=[None],
+                    help="tree arms, one per --gossip.aggregate-wait-s for each --settle-s (default: the setting's)")
     ap.add_argument("--no-full", action="store_true", help="tree arms only")
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--duty-cycle", type=float, default=1.0,
@@ -97,10 +104,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"# {time.strftime('%Y-%m-%d')} `{' '.join(sys.argv)}`", flush=True)
     rows = []
-    arms = [] if args.no_full else [(0, None)]
-    for fan_in, settle_s in [*arms, *((args.fan_in, s) for s in args.settle_s)]:
+    arms = [] if args.no_full else [(0, None, None)]
+    for fan_in, settle_s, wait_s in [*arms, *((args.fan_in, s, w) for s in args.settle_s for w in args.wait_s)]:
         rows.append(run_arm(Path(tempfile.mkdtemp(prefix="agg-netns-")), args.cap_mbit, args.rounds, fan_in,
-                            settle_s, args.inner_steps, args.duty_cycle))
+                            settle_s, args.inner_steps, args.duty_cycle, wait_s))
         print(json.dumps(rows[-1]), flush=True)
         (out / "side_by_side.json").write_text(json.dumps(rows, indent=1))
     return 0
