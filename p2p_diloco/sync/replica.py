@@ -50,8 +50,8 @@ Protocol rules (identical on every peer; changing one changes the protocol):
    set again. Every later seq of that sender merged here is taken back too (those held: `Intake`).
 
 Threading: `offer` admits under the lock (`Slots.admit`), screens outside it (sync/screening.py), then buffers or
-merges under it, admitted again first (two threads decoding one update merge it once). Group sums merge
-their slots at once or not at all: sync/sum_merge.py. Bookkeeping: sync/slots.py; built from a spec: `from_spec`.
+merges under it, admitted again first (two threads decoding one update merge it once). Group sums merge all
+their slots or none, and skip a gap at once: sync/sum_merge.py. Bookkeeping: sync/slots.py; `from_spec`.
 """
 
 from __future__ import annotations
@@ -121,8 +121,7 @@ class Replica:
         """Apply the RunSpec's rules (`from_spec` does): screening and shaping, and when gaps are skipped."""
         with self.lock:
             self._rule.policy = policy
-            self.gap_timeout_s = float(gap_timeout_s)
-            self.max_hole_span = int(max_hole_span)
+            self.gap_timeout_s, self.max_hole_span = float(gap_timeout_s), int(max_hole_span)
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         """The clock (seconds) that dates gaps and merges: `time.monotonic` unless the simulator sets its own."""
@@ -211,7 +210,8 @@ class Replica:
 
     def offer_sum(self, parts: Sequence[SumPart], total: Tensor, held: Held | None = None) -> SumOutcome:
         """Merge a group sum (exact grid `total` over `parts`) at once, or not at all: sync/sum_merge.py."""
-        return merge_sum(self.lock, self._slots, self._rule, self.stats, parts, total, self.clock, held)
+        slots, rule, skip = self._slots, self._rule, self.max_hole_span  # a part this far ahead leaves holes
+        return merge_sum(self.lock, slots, rule, self.stats, parts, total, self.clock, held, max_skip=skip)
 
     def exact_step(self, update: UpdateLike) -> Tensor | None:
         """`update`'s step on the exact grid (an aggregator's part); None: refused, banned or its weight not exact."""

@@ -2,13 +2,19 @@
 sum, under the same rules a single update merges by (sync/replica.py).
 
 A sum is over a named set of (author, seq) slots. It merges here only when the set fits the version vector as
-a whole: every part is its author's next seq (or a hole), or merged here already as the very update it names (its
+a whole: every part is its author's next seq (or a hole, or up to `max_skip` seqs past the next: the seqs between
+become holes, filled late by their own sum or a pull), or merged here already as the very update it names (its
 step is then taken out of the sum: a peer's own update is in every total); none is buffered, no author banned, and
 every part's weight exact (a function of its own signed header: probation by seq, a sponsor's or a proposal's in
 a run with founders; `Standing.exact_multiplier`). Then the slots enter V together and theta moves by the sum, so
 **no slot is merged twice, through two sums or a sum and a pull**, and replicas that merged the same set (by sums
 or one by one) are equal, exactly so when by the same sums. Otherwise the sum is refused with the reason and the
 caller falls back to pulling its parts (direct dissemination): a sum never merges in part.
+
+Why the skip: without it, one total lost on its way (an audit that timed out, a sum dropped as a loop) or
+overtaken (the tree rotated between an author's two updates) left every later total from its authors waiting on
+the gap, and with them every update in them: on loopback at 6 peers the whole tree stalled for ~8 rounds, +190%
+loss (BENCHMARKS.md "The tree's delay"). With it, only the lost update is late.
 
 What a receiver cannot check itself is that the payload is the sum of the parts' steps; that is the audit's
 (sync/sum_audit.py): a holder of the inputs recomputes it bit for bit.
@@ -65,7 +71,7 @@ Held = Callable[[str, int], UpdateLike | None]
 
 def merge_sum(lock: threading.RLock, slots: Slots, rule: MergeRule, stats: dict[str, int],
               parts: Sequence[SumPart], total: Tensor, clock: Callable[[], float],
-              held: Held | None = None) -> SumOutcome:
+              held: Held | None = None, max_skip: int = 0) -> SumOutcome:
     """Merge the sum `total` (grid values, sync/exact_sum.py) of `parts` into theta, or say why not. A part this
     replica merged already (its own update, above all: every total holds it) is taken out of the sum first, by
     its exact step, when `held` gives the very update merged here at its exact weight; otherwise the sum is
@@ -75,6 +81,7 @@ def merge_sum(lock: threading.RLock, slots: Slots, rule: MergeRule, stats: dict[
         standing = rule.standing
         fresh: list[tuple[SumPart, float]] = []
         vv: VersionVector = slots.vv
+        opened = 0
         rest = total
         for part in ordered:
             if part.sender in slots.bans.banned:
@@ -90,10 +97,16 @@ def merge_sum(lock: threading.RLock, slots: Slots, rule: MergeRule, stats: dict[
                 continue
             if slots.buffer.get(part.sender, part.seq) is not None:
                 return _refused(stats, "held")
-            if not (part.seq == vv.get(part.sender) + 1 or part.seq in vv.holes(part.sender)):
+            after = vv.get(part.sender) + 1
+            skipped = range(after, part.seq) if part.seq not in vv.holes(part.sender) else range(0)
+            if len(skipped) > max_skip or any(slots.buffer.get(part.sender, q) is not None for q in skipped):
+                return _refused(stats, "gap")  # too far ahead, or a skipped seq waits in the buffer to merge
+            try:
+                vv = vv.with_merged(part.sender, part.seq)
+            except ValueError:  # the vector's bound on holes
                 return _refused(stats, "gap")
             fresh.append((part, multiplier))
-            vv = vv.with_merged(part.sender, part.seq)
+            opened += len(skipped)
         if not fresh:
             return _refused(stats, "held")
         step = from_grid(rest)
@@ -105,6 +118,7 @@ def merge_sum(lock: threading.RLock, slots: Slots, rule: MergeRule, stats: dict[
             if standing is not None:
                 standing.summed(part.sender, part.seq, now, multiplier)
         stats["sums_merged"] = stats.get("sums_merged", 0) + 1
+        stats["sum_holes_opened"] = stats.get("sum_holes_opened", 0) + opened
         stats["merged"] += len(fresh)
     return SumOutcome(True)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -48,9 +49,9 @@ def _replica(me: str) -> Replica:
     return Replica.from_spec(SPEC, torch.linspace(-1.0, 1.0, NUMEL), codec=CODEC, self_id=me)
 
 
-def _update(identity: Identity, seed: int) -> OuterUpdate:
+def _update(identity: Identity, seed: int, seq: int = 1) -> OuterUpdate:
     payload = CODEC.compress(0.01 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)))
-    return make_update(run_id=SPEC.run_id, spec_hash=SPEC.spec_hash(), seq=1, tau=0, samples=8, weight=0.5,
+    return make_update(run_id=SPEC.run_id, spec_hash=SPEC.spec_hash(), seq=seq, tau=0, samples=8, weight=0.5,
                        codec=CODEC.name, numel=NUMEL, identity=identity, payload=payload)
 
 
@@ -138,3 +139,63 @@ def test_a_lying_aggregator_is_caught_banned_everywhere_and_its_parts_fall_back(
         for gossip in honest:  # nothing of the lie, nor of the liar's own update, is in any honest replica
             reference = _reference(kept, gossip.node.peer_id)
             torch.testing.assert_close(gossip.intake.replica.theta, reference.theta, rtol=0, atol=1e-6)
+
+
+def test_the_default_wait_is_a_quarter_of_our_round(loop, five) -> None:
+    """aggregate_wait_s 0 (the default): a node waits a quarter of the time between its last two updates, 1 s
+    before it has two, at most half the fallback. A fixed 1 s was a whole round of a 1 s round, and the wait is
+    staleness for every update under the node (BENCHMARKS.md "The tree's delay")."""
+    assert dataclasses.replace(CONFIG, aggregate_wait_s=0.5).validate().aggregate_wait_s == 0.5
+    with pytest.raises(ValueError, match="aggregate_wait_s"):
+        dataclasses.replace(CONFIG, aggregate_wait_s=-1.0).validate()
+    with aggregating(loop, five, dataclasses.replace(CONFIG, aggregate_wait_s=0.0)) as gossips:
+        tree = gossips[0].tree
+        assert tree is not None and tree.wait() == tree_module.FIRST_WAIT_S
+        t0 = time.monotonic()
+        _publish(loop, gossips[0], _update(five[0].identity, seed=1))
+        time.sleep(0.4)  # our round: the interval between our two updates, not a wait for a condition
+        _publish(loop, gossips[0], _update(five[0].identity, seed=2, seq=2))
+        elapsed = time.monotonic() - t0
+        assert 0.25 * 0.4 <= tree.wait() <= 0.25 * elapsed
+        tree.round_s = 10 * tree.fallback_s  # a very long round: the wait still ends well before the fallback
+        assert tree.wait() == tree.fallback_s / 2
+        assert gossips[1].tree is not None and gossips[1].tree.wait() == tree_module.FIRST_WAIT_S  # its own round
+
+
+def test_a_lost_total_does_not_hold_the_next_one_back(loop, five) -> None:
+    """A leaf loses the first total (an audit that timed out upstream, a dropped message): the next round's total
+    still merges there at once, the lost seqs left as holes for a pull or a late total to fill. Before, it waited
+    on the gap, and so did every later total: the whole tree stalled (BENCHMARKS.md "The tree's delay")."""
+    with aggregating(loop, five, CONFIG) as gossips:
+        order = gossips[0].tree.tree(gossips[0].tree.epoch()).order
+        leaf = next(g for g in gossips if g.node.peer_id == order[-1])
+        assert leaf.tree is not None
+        on_sum, lost = leaf.tree._on_sum, []
+
+        async def lossy(kind: str, data: bytes, caller: str) -> None:
+            if kind == tree_module.TOTAL and not lost:
+                lost.append(caller)  # the first total never reaches this leaf
+                return
+            await on_sum(kind, data, caller)
+        leaf.tree._on_sum = lossy  # type: ignore[method-assign]
+        first = [_update(m.identity, seed=20 + i) for i, m in enumerate(five)]
+        for gossip, update in zip(gossips, first):
+            _publish(loop, gossip, update)
+        others = [g for g in gossips if g is not leaf]
+        wait_until(lambda: lost and all(g.intake.replica.version_vector.total() == PEERS for g in others), 30,
+                   "the first total merged everywhere but at the leaf")
+        second = [_update(m.identity, seed=30 + i, seq=2) for i, m in enumerate(five)]
+        for gossip, update in zip(gossips, second):
+            _publish(loop, gossip, update)
+        wait_until(lambda: all(leaf.intake.replica.version_vector.get(u.sender) == 2 for u in second), 30,
+                   "the second total merged at the leaf, ahead of the lost one")
+        vv = leaf.intake.replica.version_vector
+        assert {u.sender for u in first if u.sender != leaf.node.peer_id} == \
+            {sender for sender in vv.senders_with_holes() if vv.holes(sender) == {1}}
+        own = next(u for u in first if u.sender == leaf.node.peer_id)
+        reference = _reference([own, *second], leaf.node.peer_id)  # the others' seq 2 wait on their gaps here,
+        reference.gap_timeout_s = 0.0  # until the direct path's own rule skips them: the same holes, the same theta
+        reference.expire_gaps(now_s=reference.clock() + 1.0)
+        assert reference.version_vector == vv
+        torch.testing.assert_close(leaf.intake.replica.theta, reference.theta, rtol=0, atol=1e-6)
+        assert leaf.stats["tree_fallbacks"] == 0 and leaf.stats["pulls"] == 0  # the tree alone, at once

@@ -7,14 +7,15 @@ epoch = wall-clock time // `aggregate_epoch_s`). Records spread in seconds, so p
 draw the same tree; one that started later than that sends its update to the root. An
 author that is a leaf sends its update to its parent; an inner node keeps its own. A node sends the exact signed
 sum of what it holds (its own update, its leaves', its inner children's sums, each audited first:
-net/gossip/tree_audits.py) to its parent once every child of its place has sent something, or
-`aggregate_wait_s` after the first new item. The root's sum is the total: it goes back down the same edges,
+net/gossip/tree_audits.py) to its parent once every child of its place has sent something, or a wait after
+the first new item (`aggregate_wait_s`, by default a quarter of our round: the wait is staleness for all under
+the node, which costs by its share of a round). The root's sum is the total: it goes back down the same edges,
 its children audit it first, and every peer merges it at once (`Replica.offer_sum`: all its slots or none; a
 part merged here already, our own above all, is taken out by its exact step); the root also sends it to the
-authors of its parts outside the tree (late joiners). A total that does not fit our vector yet waits for the
-one that does. Views of the tree may still differ (a record missed): a node sums what it is sent whatever its
-place, a total seen twice is dropped, and a sum holding a slot we passed up ourselves is a loop and dropped,
-so a disagreement costs bytes and a fallback, not updates.
+authors of its parts outside the tree (late joiners). A total ahead of our vector merges, leaving holes (sync/
+sum_merge.py); one too far ahead waits. Views of the tree may differ (a record missed): a node sums what it is
+sent whatever its place, a total seen twice is dropped, and a sum holding a slot we passed up ourselves is a
+loop and dropped, so a disagreement costs bytes and a fallback, not updates.
 
 An author whose update is in no total it merged `aggregate_fallback_s` after publishing announces it as full
 dissemination does (the gossip's announce): a dead, slow or lying aggregator costs that delay. Pulls and
@@ -62,6 +63,8 @@ MAX_SENDS = 64
 MAX_TASKS = 32
 TREES_KEPT = 4
 MAX_PASSED = 4096
+WAIT_SHARE, FIRST_WAIT_S = 0.25, 1.0
+"""The default wait, as a share of our round (the time between our last two updates); before one is measured."""
 SETTLE_S = 10.0
 """A peer is in an epoch's tree if its record says it started aggregating this long (at most half an epoch)
 before the epoch began: two record refreshes (peer/announce.py), so every member has read its record by then."""
@@ -107,6 +110,7 @@ class TreeGossip:
         self._tasks: set[asyncio.Task] = set()
         self._sending = asyncio.Lock()
         self.delivered = 0  # our newest seq a total we merged holds: it reached the swarm
+        self.round_s, self._published_at = 0.0, -1.0  # the time between our last two updates (loop clock)
         self.rpc_stats: rpc.RpcStats | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -152,8 +156,11 @@ class TreeGossip:
 
     def publish(self, update: OuterUpdate) -> bool:
         """Send our update up the epoch's tree; False when we are alone in it (the caller announces instead)."""
-        epoch = self.epoch()
+        epoch, loop = self.epoch(), asyncio.get_running_loop()
         tree = self.tree(epoch)
+        if self._published_at >= 0:
+            self.round_s = loop.time() - self._published_at
+        self._published_at = loop.time()
         if not tree.order or list(tree.order) == [self.me]:
             return False  # nobody to send to yet (the tree's first members settle): the gossip announces it
         parent = tree.parent(self.me) if self.me in tree else tree.root  # a late joiner: to the root
@@ -166,7 +173,6 @@ class TreeGossip:
                 self.stats["tree_updates_sent"] += 1
                 self._pass([(update.sender, update.seq)])
         self.store.hold_back(update.sender, update.seq, self.settle_s)  # the tree's head start over pulls
-        loop = asyncio.get_running_loop()
         self._fallbacks = [h for h in self._fallbacks if h.when() > loop.time()]  # those still to come
         self._fallbacks.append(loop.call_later(self.fallback_s, self._fallback, update.seq))
         return True
@@ -281,9 +287,13 @@ class TreeGossip:
         else:
             self._arm(epoch)
 
+    def wait(self) -> float:
+        """How long a node waits after its first new item: `aggregate_wait_s`, or a quarter of our round."""
+        return self.wait_s or min(WAIT_SHARE * self.round_s if self.round_s else FIRST_WAIT_S, self.fallback_s / 2)
+
     def _arm(self, epoch: int) -> None:
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.wait_s, self._timed_out, epoch)
+            self._timer = asyncio.get_running_loop().call_later(self.wait(), self._timed_out, epoch)
 
     def _timed_out(self, epoch: int) -> None:
         self.stats["tree_timeouts"] += 1
