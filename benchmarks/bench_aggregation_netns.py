@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.helpers: the namespaces and the process launcher the netns tests use
 
+from bench_tree_delay import missing_at_round_end, replay_error  # noqa: E402
+
 from tests.helpers.netns import NatTopology, nat_unavailable  # noqa: E402
 from tests.helpers.swarm import Launcher, wait_until  # noqa: E402
 
@@ -79,7 +81,9 @@ def run_arm(workdir: Path, cap_mbit: float, rounds: int, fan_in: int, settle_s: 
             "sent_median": statistics.median(sent), "sent_max": max(sent),
             "received_median": statistics.median(received), "received_max": max(received),
             "eval_loss": statistics.fmean(losses),
-            "divergence": max(float((t - mean).norm() / mean.norm()) for t in thetas), "counters": dict(counters)}
+            "divergence": max(float((t - mean).norm() / mean.norm()) for t in thetas), "counters": dict(counters),
+            # the staleness the dissemination adds, and whether totals moved theta by exactly their parts' steps
+            "missing_at_round_end": missing_at_round_end(workdir), "replay_error": replay_error(workdir)}
 
 
 def main() -> int:
