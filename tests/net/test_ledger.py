@@ -50,7 +50,9 @@ def test_a_hundred_thousand_fresh_identities_cost_a_bounded_table_fast() -> None
     assert len(ledger) == 4096 + 50
     assert all(ledger.is_contributor(f"honest{i}") for i in range(50))
     assert ledger.summary()["evicted_newcomers"] == 100_000 - 4096
-    assert took < 2.0, f"{took:.2f}s for 10^5 fresh identities"
+    # Not a speed measurement (that is a benchmark's): a guard against an eviction that scans the table, which
+    # would take minutes here. ~0.5-1 s alone, 2.34 s once in CI's default suite (4 workers on 2 cores).
+    assert took < 10.0, f"{took:.2f}s for 10^5 fresh identities"
 
 
 @settings(max_examples=60, deadline=None)
