@@ -113,7 +113,10 @@ def test_updates_go_up_the_tree_and_every_replica_merges_the_one_total(loop, fiv
 
 
 def test_a_lying_aggregator_is_caught_banned_everywhere_and_its_parts_fall_back(loop, five, monkeypatch) -> None:
-    config = dataclasses.replace(CONFIG, aggregate_fallback_s=3.0)
+    # Anti-entropy on, as in a real run: the liar's leaves get the other subtree's updates from their authors by
+    # pulls (no total reaches them through a banned parent, and only an author's store holds a summed update);
+    # without it they waited on random announces, and once in CI's loaded default suite none came in 30 s.
+    config = dataclasses.replace(CONFIG, aggregate_fallback_s=3.0, anti_entropy_s=2.0)
     with aggregating(loop, five, config) as gossips:
         tree = gossips[0].tree.tree(gossips[0].tree.epoch())
         liar_id = tree.order[1]  # the root's first child: an inner node whose sum the root audits
