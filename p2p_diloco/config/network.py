@@ -92,10 +92,10 @@ class GossipConfig:
     """The tree rotates every this many seconds of wall-clock time (places drawn again by a seeded hash)."""
     aggregate_wait_s: float = 0.0
     """A node sends its sum once every child has sent something, or this long after the first new item; 0 (the
-    default): a quarter of our round, the time between our last two updates (the simulator's rule). Every second
-    a node waits is staleness for each update under it, and what staleness costs goes by its share of a round
-    (BENCHMARKS.md "The tree's delay"): at 6 peers on 1 s rounds a fixed 1 s cost +23% loss against full
-    dissemination (median of 3), a quarter round +7%."""
+    default): a quarter of our round, the time between our last two updates (the simulator's nodes wait a quarter
+    of a phase). Every second a node waits is staleness for each update under it, and what staleness costs goes
+    by its share of a round (BENCHMARKS.md "The tree's delay"): at 6 peers on 1 s rounds a fixed 1 s cost +23%
+    loss against full dissemination (median of 3), a quarter round +7%."""
     aggregate_fallback_s: float = 30.0
     """An author whose update is in no total it merged this long after publishing announces it as in full
     dissemination (a dead or lying aggregator costs this much delay, not the update)."""
@@ -108,8 +108,11 @@ class GossipConfig:
     def validate(self) -> GossipConfig:
         if self.aggregate != 0 and self.aggregate < 2:
             raise ValueError(f"aggregate (the tree's fan-in) must be 0 or >= 2, got {self.aggregate}")
-        if not (self.aggregate_epoch_s > 0 and self.aggregate_wait_s >= 0 and self.aggregate_fallback_s > 0):
-            raise ValueError("aggregate_epoch_s and aggregate_fallback_s must be > 0, aggregate_wait_s >= 0")
+        if not (self.aggregate_epoch_s > 0 and self.aggregate_fallback_s > 0):
+            raise ValueError("aggregate_epoch_s and aggregate_fallback_s must be > 0, got "
+                             f"{self.aggregate_epoch_s} and {self.aggregate_fallback_s}")
+        if not self.aggregate_wait_s >= 0:
+            raise ValueError(f"aggregate_wait_s must be >= 0 (0: a quarter of our round), got {self.aggregate_wait_s}")
         if not 0 <= self.aggregate_settle_s <= 600:
             raise ValueError(f"aggregate_settle_s must be in [0, 600] seconds, got {self.aggregate_settle_s}")
         if self.fanout < 1 or self.pull_max_updates < 1 or self.max_concurrent_pulls < 1 \
